@@ -1,0 +1,117 @@
+// Device helpers shared by every CUDA family: element conversions, 16-byte packs, NaN-aware
+// max, warp/block reductions, dtype dispatch and cached device properties.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace jaxops::cuda {
+
+template <class T> struct acc { using type = float; };
+template <> struct acc<double> { using type = double; };
+template <class T> using acc_t = typename acc<T>::type;
+
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+
+template <class T> __device__ __forceinline__ T from_acc(acc_t<T> v);
+template <> __device__ __forceinline__ float from_acc<float>(float v) { return v; }
+template <> __device__ __forceinline__ double from_acc<double>(double v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half_rn(v); }
+
+// N elements moved as one aligned access (16 bytes for the widest pack).
+template <class T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <class T, int N>
+__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, N>*>(p);
+}
+template <class T, int N>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& pk) {
+  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+}
+
+// Largest pack (elements per access, up to 16 bytes) that divides `cols` and the pointers' alignment.
+template <class T>
+inline int pack_size_for(int64_t cols, const void* const* ptrs, int nptrs) {
+  int pack = 16 / static_cast<int>(sizeof(T));
+  while (pack > 1) {
+    bool ok = cols % pack == 0;
+    for (int i = 0; i < nptrs && ok; ++i)
+      ok = reinterpret_cast<uintptr_t>(ptrs[i]) % (pack * sizeof(T)) == 0;
+    if (ok) break;
+    pack /= 2;
+  }
+  return pack;
+}
+
+// max that propagates NaN, like jnp.max (fmaxf would drop it).
+template <class A>
+__device__ __forceinline__ A nan_max(A a, A b) {
+  return (a != a || a > b) ? a : b;
+}
+
+struct SumOp {
+  template <class A> __device__ __forceinline__ A operator()(A a, A b) const { return a + b; }
+};
+struct MaxOp {
+  template <class A> __device__ __forceinline__ A operator()(A a, A b) const { return nan_max(a, b); }
+};
+
+// Reduction over groups of `width` consecutive lanes (width a power of two up to 32).
+template <class Op, int width = 32, class A>
+__device__ __forceinline__ A warp_reduce(A v, Op op = Op{}) {
+#pragma unroll
+  for (int offset = width / 2; offset > 0; offset /= 2)
+    v = op(v, __shfl_xor_sync(0xffffffffu, v, offset, width));
+  return v;
+}
+
+// Block-wide reduction; every thread gets the result. `scratch` holds 33 values.
+template <class Op, class A>
+__device__ __forceinline__ A block_reduce(A v, A* scratch, Op op = Op{}) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
+  v = warp_reduce<Op>(v, op);
+  __syncthreads();  // scratch may still be read by a previous reduction
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    A w = lane < nwarps ? scratch[lane] : scratch[0];
+    w = warp_reduce<Op>(w, op);
+    if (lane == 0) scratch[32] = w;
+  }
+  __syncthreads();
+  return scratch[32];
+}
+
+// Properties of the current device, read once per device.
+struct DeviceInfo {
+  int device = 0;
+  int sm_count = 0;
+  int cc_major = 0;
+  int max_smem_optin = 0;   // bytes of dynamic shared memory a block may opt into
+  int max_smem_per_sm = 0;
+};
+cudaError_t device_info(DeviceInfo* out);
+
+}  // namespace jaxops::cuda
+
+// Runs the statement with `T` bound to the CUDA element type of a jaxops::Dtype.
+#define JAXOPS_DISPATCH_FLOAT(dtype, T, ...)                 \
+  switch (dtype) {                                            \
+    case ::jaxops::Dtype::kF32: { using T = float; __VA_ARGS__; break; }          \
+    case ::jaxops::Dtype::kF64: { using T = double; __VA_ARGS__; break; }         \
+    case ::jaxops::Dtype::kBF16: { using T = __nv_bfloat16; __VA_ARGS__; break; } \
+    case ::jaxops::Dtype::kF16: { using T = __half; __VA_ARGS__; break; }         \
+    default: return cudaErrorInvalidValue;                    \
+  }

@@ -1,0 +1,3 @@
+from jaxops.bench.cli import main
+
+raise SystemExit(main())
