@@ -6,9 +6,10 @@ family holds the public functions; this package re-exports them.
 """
 __version__ = "0.1.0"
 
-from jaxops import _knn, _normalization, _reductions, _softmax
+from jaxops import _knn, _layer_norm, _normalization, _reductions, _softmax
 from jaxops._ffi import build_info, has_cuda
 from jaxops._knn import *  # noqa: F401,F403
+from jaxops._layer_norm import *  # noqa: F401,F403
 from jaxops._normalization import *  # noqa: F401,F403
 from jaxops._reductions import *  # noqa: F401,F403
 from jaxops._softmax import *  # noqa: F401,F403
@@ -18,6 +19,7 @@ __all__ = [
     "has_cuda",
     *_softmax.__all__,
     *_normalization.__all__,
+    *_layer_norm.__all__,
     *_reductions.__all__,
     *_knn.__all__,
 ]

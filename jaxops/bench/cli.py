@@ -17,7 +17,7 @@ import jax
 from jaxops.bench.case import Case, Options
 from jaxops.bench.timing import copy_bandwidth, time_fn
 
-FAMILIES = ("softmax", "normalization", "reductions", "knn")
+FAMILIES = ("softmax", "layer_norm", "normalization", "reductions", "knn")
 
 
 def _parse_shapes(text: str | None):

@@ -1,0 +1,2 @@
+"""Placeholder: filled in by its op family."""
+__all__: list[str] = []
