@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jaxops._checks import canonical_axes, check_float, move_axes_last, undo_move
 from jaxops._ffi import ffi_call
+from jaxops._sharding import rows_rule, sharded_call
 
 __all__ = ["softmax", "log_softmax"]
 
@@ -73,6 +74,14 @@ def _normalized_exp(fn: str, x, axis, where, *, log: bool) -> jax.Array:
 def _forward_call(x, mask, log):
     masked = mask is not None
     m = mask if masked else jnp.zeros((), jnp.bool_)
+    # Rows split across devices, the normalized (last) axis whole on each (jaxops._sharding).
+    rule = rows_rule(x.ndim - 1, "x" + ("x" if masked else "0"), "x")
+    return sharded_call("log_softmax" if log else "softmax",
+                        partial(_forward_local, log=log, masked=masked), rule, x, m)
+
+
+def _forward_local(x, m, *, axes, log, masked):
+    del axes  # no reduced factor: rows are independent
     return ffi_call("log_softmax" if log else "softmax", "jaxops_softmax_fwd",
                     jax.ShapeDtypeStruct(x.shape, x.dtype), x, m, log=log, masked=masked)
 
@@ -80,6 +89,13 @@ def _forward_call(x, mask, log):
 def _backward_call(y, dy, mask, log):
     masked = mask is not None
     m = mask if masked else jnp.zeros((), jnp.bool_)
+    rule = rows_rule(y.ndim - 1, "xx" + ("x" if masked else "0"), "x")
+    return sharded_call("log_softmax" if log else "softmax",
+                        partial(_backward_local, log=log, masked=masked), rule, y, dy, m)
+
+
+def _backward_local(y, dy, m, *, axes, log, masked):
+    del axes
     return ffi_call("log_softmax" if log else "softmax", "jaxops_softmax_bwd",
                     jax.ShapeDtypeStruct(y.shape, y.dtype), y, dy, m, log=log, masked=masked)
 

@@ -63,9 +63,11 @@ __device__ __forceinline__ A nan_max(A a, A b) {
 
 struct SumOp {
   template <class A> __device__ __forceinline__ A operator()(A a, A b) const { return a + b; }
+  template <class A> __device__ __forceinline__ static A identity() { return A(0); }
 };
 struct MaxOp {
   template <class A> __device__ __forceinline__ A operator()(A a, A b) const { return nan_max(a, b); }
+  template <class A> __device__ __forceinline__ static A identity() { return -A(INFINITY); }
 };
 
 // Reduction over groups of `width` consecutive lanes (width a power of two up to 32).

@@ -1,0 +1,77 @@
+// Kernel launches with optional thread-block clusters and large dynamic shared memory; only
+// stream work and function attributes, so they are safe inside CUDA-graph capture.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace jaxops::cuda {
+
+template <class T>
+constexpr T ceil_div(T a, T b) {
+  return (a + b - 1) / b;
+}
+
+// Raises the kernel's dynamic shared-memory limit when it needs more than the default 48 KB.
+template <class Kernel>
+cudaError_t allow_dynamic_smem(Kernel kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+}
+
+// Launches `kernel` on `grid` blocks grouped in clusters of `cluster` blocks (1 = no cluster).
+template <class Kernel, class... Args>
+cudaError_t launch_clustered(Kernel kernel, int64_t grid, int threads, size_t smem, int cluster,
+                             cudaStream_t stream, Args... args) {
+  if (cudaError_t err = allow_dynamic_smem(kernel, smem); err != cudaSuccess) return err;
+  if (cluster > 8) {
+    if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+        err != cudaSuccess)
+      return err;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = cluster > 1 ? 1 : 0;
+  if (cudaError_t err = cudaLaunchKernelEx(&config, kernel, args...); err != cudaSuccess) return err;
+  return cudaGetLastError();
+}
+
+// Whether clusters of `cluster` blocks of this shape can be resident at all on this device.
+template <class Kernel>
+bool cluster_fits(Kernel kernel, int threads, size_t smem, int cluster) {
+  if (cluster <= 1) return true;
+  if (allow_dynamic_smem(kernel, smem) != cudaSuccess) return false;
+  if (cluster > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(cluster);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  int active = 0;
+  if (cudaOccupancyMaxActiveClusters(&active, kernel, &config) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error so later launches are not blamed
+    return false;
+  }
+  return active > 0;
+}
+
+}  // namespace jaxops::cuda

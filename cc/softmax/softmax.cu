@@ -1,0 +1,543 @@
+// CUDA softmax / log_softmax over the last axis, forward and backward.
+//
+// Three paths by row length, each reading the input once where it can:
+//  - warp: rows <= 1024 columns live in registers of a group of 1..32 lanes;
+//  - cached: a block (or a Hopper thread-block cluster of up to 16 blocks) caches its slice of
+//    the row in shared memory; cluster partials are combined through distributed shared memory;
+//  - uncached: rows too long for any cluster's shared memory make the fewest passes (online
+//    max/sum, then the output pass).
+// Masked entries are excluded by loading them as -inf (forward) or 0 (log_softmax backward) and
+// forcing their outputs; math is float32 (float64 for float64).
+#include <cstdint>
+#include <type_traits>
+
+#include "common/cluster.cuh"
+#include "common/cuda_util.cuh"
+#include "common/launch.cuh"
+#include "softmax/softmax_cuda.h"
+
+namespace jaxops::softmax {
+namespace {
+
+using namespace jaxops::cuda;
+
+constexpr int kWarpMaxCols = 1024;
+constexpr int kWarpBlockThreads = 128;
+constexpr size_t kCachedBytesPerBlock = 32 * 1024;  // leaves room for several blocks per SM
+
+template <class A> __device__ __forceinline__ A neg_inf() { return -A(INFINITY); }
+
+__device__ __forceinline__ float fast_exp(float v) { return __expf(v); }
+__device__ __forceinline__ double fast_exp(double v) { return exp(v); }
+__device__ __forceinline__ float log_of(float v) { return logf(v); }
+__device__ __forceinline__ double log_of(double v) { return log(v); }
+
+template <class A>
+struct RowStats {  // what the forward output needs of its row
+  A max, inv_sum, log_sum;
+  __device__ __forceinline__ RowStats(A m, A s) : max(m), inv_sum(A(1) / s), log_sum(log_of(s)) {}
+  __device__ __forceinline__ A out(A v, bool log) const {
+    return log ? (v - max) - log_sum : fast_exp(v - max) * inv_sum;
+  }
+};
+
+template <class A>
+__device__ __forceinline__ A masked_out(bool log) {
+  return log ? neg_inf<A>() : A(0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warp path: a group of W lanes per row, K packs of P elements per lane, interleaved so each
+// pack index is one coalesced access across the group.
+
+template <class T, int P, int W, int K>
+__global__ void __launch_bounds__(kWarpBlockThreads)
+forward_warp(const T* __restrict__ x, const bool* __restrict__ mask, T* __restrict__ y, int64_t rows,
+             int64_t cols, bool log) {
+  using A = acc_t<T>;
+  constexpr int N = K * P;
+  static_assert(N <= 32, "masked bits live in one word");
+  constexpr int kRowsPerWarp = 32 / W;
+  const int lane = threadIdx.x % W;
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t nwarps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t base = warp * kRowsPerWarp; base < rows; base += nwarps * kRowsPerWarp) {
+    const int64_t row = base + (threadIdx.x % 32) / W;
+    const bool active = row < rows;
+    const int64_t off = row * cols;
+    A v[N];
+    uint32_t masked = 0;
+    A m = neg_inf<A>();
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t col = (int64_t(k) * W + lane) * P;
+      if (active && col < cols) {
+        const Pack<T, P> pk = load_pack<T, P>(x + off + col);
+        Pack<bool, P> mk;
+        if (mask) mk = load_pack<bool, P>(mask + off + col);
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          A a = to_acc(pk.v[p]);
+          if (mask && !mk.v[p]) {
+            a = neg_inf<A>();
+            masked |= 1u << (k * P + p);
+          }
+          v[k * P + p] = a;
+          m = nan_max(m, a);
+        }
+      }
+    }
+    m = warp_reduce<MaxOp, W>(m);
+    A s = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t col = (int64_t(k) * W + lane) * P;
+      if (active && col < cols) {
+#pragma unroll
+        for (int p = 0; p < P; ++p) s += fast_exp(v[k * P + p] - m);
+      }
+    }
+    s = warp_reduce<SumOp, W>(s);
+    const RowStats<A> st(m, s);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t col = (int64_t(k) * W + lane) * P;
+      if (active && col < cols) {
+        Pack<T, P> out;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          const bool off_mask = (masked >> (k * P + p)) & 1u;
+          out.v[p] = from_acc<T>(off_mask ? masked_out<A>(log) : st.out(v[k * P + p], log));
+        }
+        store_pack<T, P>(y + off + col, out);
+      }
+    }
+  }
+}
+
+template <class T, int P, int W, int K>
+__global__ void __launch_bounds__(kWarpBlockThreads)
+backward_warp(const T* __restrict__ y, const T* __restrict__ dy, const bool* __restrict__ mask,
+              T* __restrict__ dx, int64_t rows, int64_t cols, bool log) {
+  using A = acc_t<T>;
+  constexpr int N = K * P;
+  static_assert(N <= 32, "masked bits live in one word");
+  constexpr int kRowsPerWarp = 32 / W;
+  const int lane = threadIdx.x % W;
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t nwarps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t base = warp * kRowsPerWarp; base < rows; base += nwarps * kRowsPerWarp) {
+    const int64_t row = base + (threadIdx.x % 32) / W;
+    const bool active = row < rows;
+    const int64_t off = row * cols;
+    A yv[N], gv[N];
+    uint32_t masked = 0;
+    A s = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t col = (int64_t(k) * W + lane) * P;
+      if (active && col < cols) {
+        const Pack<T, P> py = load_pack<T, P>(y + off + col);
+        const Pack<T, P> pg = load_pack<T, P>(dy + off + col);
+        Pack<bool, P> mk;
+        if (mask) mk = load_pack<bool, P>(mask + off + col);
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          A yy = to_acc(py.v[p]), g = to_acc(pg.v[p]);
+          if (mask && !mk.v[p]) {
+            g = 0;
+            masked |= 1u << (k * P + p);
+          }
+          yv[k * P + p] = yy;
+          gv[k * P + p] = g;
+          s += log ? g : yy * g;
+        }
+      }
+    }
+    s = warp_reduce<SumOp, W>(s);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t col = (int64_t(k) * W + lane) * P;
+      if (active && col < cols) {
+        Pack<T, P> out;
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          const A yy = yv[k * P + p], g = gv[k * P + p];
+          A r = log ? g - fast_exp(yy) * s : yy * (g - s);
+          if ((masked >> (k * P + p)) & 1u) r = 0;
+          out.v[p] = from_acc<T>(r);
+        }
+        store_pack<T, P>(dx + off + col, out);
+      }
+    }
+  }
+}
+
+template <int V> using IC = std::integral_constant<int, V>;
+
+// Calls f(IC<W>, IC<K>) with the smallest warp shape that holds `cols` columns in packs of P.
+template <int P, class F>
+cudaError_t with_warp_shape(int64_t cols, F&& f) {
+  const int64_t packs = ceil_div<int64_t>(cols, P);
+  if (packs <= 1) return f(IC<1>{}, IC<1>{});
+  if (packs <= 2) return f(IC<2>{}, IC<1>{});
+  if (packs <= 4) return f(IC<4>{}, IC<1>{});
+  if (packs <= 8) return f(IC<8>{}, IC<1>{});
+  if (packs <= 16) return f(IC<16>{}, IC<1>{});
+  if (packs <= 32) return f(IC<32>{}, IC<1>{});
+  if (packs <= 64) return f(IC<32>{}, IC<2>{});
+  if (packs <= 128) return f(IC<32>{}, IC<4>{});
+  if constexpr (P <= 4) {
+    if (packs <= 256) return f(IC<32>{}, IC<8>{});
+  }
+  if constexpr (P <= 2) {
+    if (packs <= 512) return f(IC<32>{}, IC<16>{});
+  }
+  if constexpr (P == 1) {
+    if (packs <= 1024) return f(IC<32>{}, IC<32>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+int64_t warp_grid(int64_t rows, int width, const DeviceInfo& dev) {
+  const int64_t rows_per_block = kWarpBlockThreads / 32 * (32 / width);
+  return std::min<int64_t>(ceil_div<int64_t>(rows, rows_per_block), int64_t(dev.sm_count) * 32);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cached path: the cluster's blocks split each row into slices of `slice` columns; each thread
+// only ever touches its own packs of the shared-memory cache, so the cache needs no barriers.
+
+template <class T, int P>
+__global__ void __launch_bounds__(1024)
+forward_cached(const T* __restrict__ x, const bool* __restrict__ mask, T* __restrict__ y, int64_t rows,
+               int64_t cols, int64_t slice, bool log) {
+  using A = acc_t<T>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* cache = reinterpret_cast<T*>(smem);
+  __shared__ A scratch[33];
+  __shared__ A slots[2], bcast[2];
+  const unsigned nblocks = cluster_blocks(), rank = cluster_rank();
+  const int64_t begin = int64_t(rank) * slice;
+  const int64_t npacks = begin < cols ? (std::min(cols, begin + slice) - begin) / P : 0;
+  for (int64_t row = blockIdx.x / nblocks; row < rows; row += gridDim.x / nblocks) {
+    const int64_t off = row * cols + begin;
+    A m = neg_inf<A>();
+    for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
+      Pack<T, P> pk = load_pack<T, P>(x + off + i * P);
+      if (mask) {
+        const Pack<bool, P> mk = load_pack<bool, P>(mask + off + i * P);
+#pragma unroll
+        for (int p = 0; p < P; ++p)
+          if (!mk.v[p]) pk.v[p] = from_acc<T>(neg_inf<A>());
+      }
+#pragma unroll
+      for (int p = 0; p < P; ++p) m = nan_max(m, to_acc(pk.v[p]));
+      store_pack<T, P>(cache + i * P, pk);
+    }
+    m = block_reduce<MaxOp>(m, scratch);
+    m = cluster_allreduce<MaxOp>(m, &slots[0], &bcast[0]);
+    A s = 0;
+    for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
+      const Pack<T, P> pk = load_pack<T, P>(cache + i * P);
+#pragma unroll
+      for (int p = 0; p < P; ++p) s += fast_exp(to_acc(pk.v[p]) - m);
+    }
+    s = block_reduce<SumOp>(s, scratch);
+    s = cluster_allreduce<SumOp>(s, &slots[1], &bcast[1]);
+    const RowStats<A> st(m, s);
+    for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
+      const Pack<T, P> pk = load_pack<T, P>(cache + i * P);
+      Pack<T, P> out;
+#pragma unroll
+      for (int p = 0; p < P; ++p) out.v[p] = from_acc<T>(st.out(to_acc(pk.v[p]), log));
+      if (mask) {
+        const Pack<bool, P> mk = load_pack<bool, P>(mask + off + i * P);
+#pragma unroll
+        for (int p = 0; p < P; ++p)
+          if (!mk.v[p]) out.v[p] = from_acc<T>(masked_out<A>(log));
+      }
+      store_pack<T, P>(y + off + i * P, out);
+    }
+  }
+  if (nblocks > 1) cluster_sync();  // peers may still read this block's slots
+}
+
+template <class T, int P>
+__global__ void __launch_bounds__(1024)
+backward_cached(const T* __restrict__ y, const T* __restrict__ dy, const bool* __restrict__ mask,
+                T* __restrict__ dx, int64_t rows, int64_t cols, int64_t slice, bool log) {
+  using A = acc_t<T>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* cache_y = reinterpret_cast<T*>(smem);
+  T* cache_g = cache_y + slice;
+  __shared__ A scratch[33];
+  __shared__ A slots[2], bcast[2];
+  const unsigned nblocks = cluster_blocks(), rank = cluster_rank();
+  const int64_t begin = int64_t(rank) * slice;
+  const int64_t npacks = begin < cols ? (std::min(cols, begin + slice) - begin) / P : 0;
+  int parity = 0;
+  for (int64_t row = blockIdx.x / nblocks; row < rows; row += gridDim.x / nblocks, parity ^= 1) {
+    const int64_t off = row * cols + begin;
+    A s = 0;
+    for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
+      const Pack<T, P> py = load_pack<T, P>(y + off + i * P);
+      Pack<T, P> pg = load_pack<T, P>(dy + off + i * P);
+      if (mask) {
+        const Pack<bool, P> mk = load_pack<bool, P>(mask + off + i * P);
+#pragma unroll
+        for (int p = 0; p < P; ++p)
+          if (!mk.v[p]) pg.v[p] = from_acc<T>(A(0));
+      }
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        const A g = to_acc(pg.v[p]);
+        s += log ? g : to_acc(py.v[p]) * g;
+      }
+      store_pack<T, P>(cache_y + i * P, py);
+      store_pack<T, P>(cache_g + i * P, pg);
+    }
+    s = block_reduce<SumOp>(s, scratch);
+    // One reduction per row: alternate slots so a fast block never overwrites a slot a peer
+    // has yet to read.
+    s = cluster_allreduce<SumOp>(s, &slots[parity], &bcast[parity]);
+    for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
+      const Pack<T, P> py = load_pack<T, P>(cache_y + i * P);
+      const Pack<T, P> pg = load_pack<T, P>(cache_g + i * P);
+      Pack<T, P> out;
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        const A yy = to_acc(py.v[p]), g = to_acc(pg.v[p]);
+        out.v[p] = from_acc<T>(log ? g - fast_exp(yy) * s : yy * (g - s));
+      }
+      if (mask && log) {
+        const Pack<bool, P> mk = load_pack<bool, P>(mask + off + i * P);
+#pragma unroll
+        for (int p = 0; p < P; ++p)
+          if (!mk.v[p]) out.v[p] = from_acc<T>(A(0));
+      }
+      store_pack<T, P>(dx + off + i * P, out);
+    }
+  }
+  if (nblocks > 1) cluster_sync();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Uncached path: one block per row, online (max, sum) in the first pass, output in the second.
+
+template <class A>
+__device__ __forceinline__ void online_update(A& m, A& s, A a) {
+  if (a != a) {
+    m = a;
+    s = a;
+  } else if (a > m) {
+    s = s * fast_exp(m - a) + A(1);
+    m = a;
+  } else if (a > neg_inf<A>()) {
+    s += fast_exp(a - m);
+  }
+}
+
+template <class T, int P>
+__global__ void __launch_bounds__(1024)
+forward_uncached(const T* __restrict__ x, const bool* __restrict__ mask, T* __restrict__ y, int64_t rows,
+                 int64_t cols, bool log) {
+  using A = acc_t<T>;
+  __shared__ A scratch[33];
+  const int64_t npacks = cols / P;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t off = row * cols;
+    A m = neg_inf<A>(), s = 0;
+    for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
+      const Pack<T, P> pk = load_pack<T, P>(x + off + i * P);
+      Pack<bool, P> mk;
+      if (mask) mk = load_pack<bool, P>(mask + off + i * P);
+#pragma unroll
+      for (int p = 0; p < P; ++p) online_update(m, s, (mask && !mk.v[p]) ? neg_inf<A>() : to_acc(pk.v[p]));
+    }
+    const A row_max = block_reduce<MaxOp>(m, scratch);
+    // Rescale each thread's sum to the row max; threads that saw only -inf contribute nothing.
+    const A scaled = s == A(0) ? A(0) : s * fast_exp(m - row_max);
+    const RowStats<A> st(row_max, block_reduce<SumOp>(scaled, scratch));
+    for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
+      const Pack<T, P> pk = load_pack<T, P>(x + off + i * P);
+      Pack<bool, P> mk;
+      if (mask) mk = load_pack<bool, P>(mask + off + i * P);
+      Pack<T, P> out;
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        const bool off_mask = mask && !mk.v[p];
+        out.v[p] = from_acc<T>(off_mask ? masked_out<A>(log) : st.out(to_acc(pk.v[p]), log));
+      }
+      store_pack<T, P>(y + off + i * P, out);
+    }
+  }
+}
+
+template <class T, int P>
+__global__ void __launch_bounds__(1024)
+backward_uncached(const T* __restrict__ y, const T* __restrict__ dy, const bool* __restrict__ mask,
+                  T* __restrict__ dx, int64_t rows, int64_t cols, bool log) {
+  using A = acc_t<T>;
+  __shared__ A scratch[33];
+  const int64_t npacks = cols / P;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t off = row * cols;
+    A s = 0;
+    for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
+      const Pack<T, P> pg = load_pack<T, P>(dy + off + i * P);
+      if (log) {
+        Pack<bool, P> mk;
+        if (mask) mk = load_pack<bool, P>(mask + off + i * P);
+#pragma unroll
+        for (int p = 0; p < P; ++p)
+          if (!mask || mk.v[p]) s += to_acc(pg.v[p]);
+      } else {
+        const Pack<T, P> py = load_pack<T, P>(y + off + i * P);
+#pragma unroll
+        for (int p = 0; p < P; ++p) s += to_acc(py.v[p]) * to_acc(pg.v[p]);
+      }
+    }
+    s = block_reduce<SumOp>(s, scratch);
+    for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
+      const Pack<T, P> py = load_pack<T, P>(y + off + i * P);
+      const Pack<T, P> pg = load_pack<T, P>(dy + off + i * P);
+      Pack<bool, P> mk;
+      if (mask && log) mk = load_pack<bool, P>(mask + off + i * P);
+      Pack<T, P> out;
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        const A yy = to_acc(py.v[p]), g = to_acc(pg.v[p]);
+        A r = log ? g - fast_exp(yy) * s : yy * (g - s);
+        if (mask && log && !mk.v[p]) r = 0;
+        out.v[p] = from_acc<T>(r);
+      }
+      store_pack<T, P>(dx + off + i * P, out);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host dispatch.
+
+struct CachedPlan {
+  int cluster = 1;
+  int64_t slice = 0;  // columns per block, a multiple of the pack
+  int threads = 0;
+  size_t smem = 0;
+};
+
+// Picks the smallest cluster whose blocks each cache at most kCachedBytesPerBlock of the row
+// (more if the cluster limit is reached); false when even the largest cluster cannot cache it.
+template <class Kernel>
+bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, const DeviceInfo& dev,
+                 CachedPlan* plan) {
+  const int max_cluster = dev.cc_major >= 9 ? 16 : 1;
+  const size_t smem_limit = static_cast<size_t>(dev.max_smem_optin) - 1024;  // static scratch
+  const size_t row_bytes = static_cast<size_t>(cols) * bytes_per_col;
+  int cluster = 1;
+  while (cluster < max_cluster && row_bytes > kCachedBytesPerBlock * cluster) cluster *= 2;
+  for (; cluster >= 1; cluster /= 2) {
+    const int64_t slice = ceil_div<int64_t>(ceil_div<int64_t>(cols, cluster), pack) * pack;
+    const size_t smem = static_cast<size_t>(slice) * bytes_per_col;
+    if (smem > smem_limit) return false;
+    const int64_t packs = slice / pack;
+    const int threads = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(packs, 4 * 32) * 32, 128, 1024));
+    if (cluster_fits(kernel, threads, smem, cluster)) {
+      *plan = {cluster, slice, threads, smem};
+      return true;
+    }
+  }
+  return false;
+}
+
+int64_t cached_grid(int64_t rows, int cluster) {
+  return std::min<int64_t>(rows, int64_t(1) << 24) * cluster;
+}
+
+int64_t uncached_grid(int64_t rows, const DeviceInfo& dev) {
+  return std::min<int64_t>(rows, int64_t(dev.sm_count) * 2);
+}
+
+template <class T, int P>
+cudaError_t forward_packed(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols, bool log,
+                           cudaStream_t stream, const DeviceInfo& dev) {
+  if (cols <= kWarpMaxCols) {
+    return with_warp_shape<P>(cols, [&](auto w, auto k) {
+      constexpr int W = decltype(w)::value, K = decltype(k)::value;
+      forward_warp<T, P, W, K><<<warp_grid(rows, W, dev), kWarpBlockThreads, 0, stream>>>(x, mask, y, rows, cols, log);
+      return cudaGetLastError();
+    });
+  }
+  CachedPlan plan;
+  if (plan_cached(forward_cached<T, P>, cols, P, sizeof(T), dev, &plan)) {
+    return launch_clustered(forward_cached<T, P>, cached_grid(rows, plan.cluster), plan.threads, plan.smem,
+                            plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
+  }
+  forward_uncached<T, P><<<uncached_grid(rows, dev), 1024, 0, stream>>>(x, mask, y, rows, cols, log);
+  return cudaGetLastError();
+}
+
+template <class T, int P>
+cudaError_t backward_packed(const T* y, const T* dy, const bool* mask, T* dx, int64_t rows, int64_t cols,
+                            bool log, cudaStream_t stream, const DeviceInfo& dev) {
+  if (cols <= kWarpMaxCols) {
+    return with_warp_shape<P>(cols, [&](auto w, auto k) {
+      constexpr int W = decltype(w)::value, K = decltype(k)::value;
+      backward_warp<T, P, W, K><<<warp_grid(rows, W, dev), kWarpBlockThreads, 0, stream>>>(y, dy, mask, dx, rows,
+                                                                                           cols, log);
+      return cudaGetLastError();
+    });
+  }
+  CachedPlan plan;
+  if (plan_cached(backward_cached<T, P>, cols, P, 2 * sizeof(T), dev, &plan)) {
+    return launch_clustered(backward_cached<T, P>, cached_grid(rows, plan.cluster), plan.threads, plan.smem,
+                            plan.cluster, stream, y, dy, mask, dx, rows, cols, plan.slice, log);
+  }
+  backward_uncached<T, P><<<uncached_grid(rows, dev), 1024, 0, stream>>>(y, dy, mask, dx, rows, cols, log);
+  return cudaGetLastError();
+}
+
+// 16-byte packs when the row length and pointers allow, else single elements.
+template <class T>
+bool use_wide_pack(int64_t cols, const void* a, const void* b, const void* c, const void* mask) {
+  constexpr int kWide = 16 / sizeof(T);
+  const void* ptrs[] = {a, b, c};
+  if (pack_size_for<T>(cols, ptrs, c ? 3 : 2) != kWide) return false;
+  return mask == nullptr || reinterpret_cast<uintptr_t>(mask) % kWide == 0;
+}
+
+}  // namespace
+
+cudaError_t forward_cuda(Dtype dtype, const void* x, const bool* mask, void* y, int64_t rows, int64_t cols,
+                         bool log, cudaStream_t stream) {
+  DeviceInfo dev;
+  if (cudaError_t err = device_info(&dev); err != cudaSuccess) return err;
+  JAXOPS_DISPATCH_FLOAT(dtype, T, {
+    constexpr int kWide = 16 / sizeof(T);
+    const T* xt = static_cast<const T*>(x);
+    T* yt = static_cast<T*>(y);
+    if (use_wide_pack<T>(cols, x, y, nullptr, mask))
+      return forward_packed<T, kWide>(xt, mask, yt, rows, cols, log, stream, dev);
+    return forward_packed<T, 1>(xt, mask, yt, rows, cols, log, stream, dev);
+  });
+  return cudaSuccess;
+}
+
+cudaError_t backward_cuda(Dtype dtype, const void* y, const void* dy, const bool* mask, void* dx, int64_t rows,
+                          int64_t cols, bool log, cudaStream_t stream) {
+  DeviceInfo dev;
+  if (cudaError_t err = device_info(&dev); err != cudaSuccess) return err;
+  JAXOPS_DISPATCH_FLOAT(dtype, T, {
+    constexpr int kWide = 16 / sizeof(T);
+    const T* yt = static_cast<const T*>(y);
+    const T* gt = static_cast<const T*>(dy);
+    T* dxt = static_cast<T*>(dx);
+    if (use_wide_pack<T>(cols, y, dy, dx, mask))
+      return backward_packed<T, kWide>(yt, gt, mask, dxt, rows, cols, log, stream, dev);
+    return backward_packed<T, 1>(yt, gt, mask, dxt, rows, cols, log, stream, dev);
+  });
+  return cudaSuccess;
+}
+
+}  // namespace jaxops::softmax

@@ -1,0 +1,60 @@
+"""Benchmark cases for softmax / log_softmax, forward and backward, across row lengths."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxops import _softmax
+from jaxops.bench.case import Case, Options, dtype_of, itemsize, wants
+
+GPU_ELEMENTS = 1 << 26
+GPU_COLS = [32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144]
+CPU_ELEMENTS = 1 << 16
+CPU_COLS = [32, 1024, 8192]
+
+
+def _xla_backward(log: bool):
+    def run(y, dy):
+        y32, g32 = y.astype(jnp.float32), dy.astype(jnp.float32)
+        if log:
+            dx = g32 - jnp.exp(y32) * jnp.sum(g32, axis=-1, keepdims=True)
+        else:
+            dx = y32 * (g32 - jnp.sum(y32 * g32, axis=-1, keepdims=True))
+        return dx.astype(y.dtype)
+
+    return run
+
+
+def _shapes(options: Options) -> list[tuple[int, int]]:
+    if options.shapes:
+        return [(s[0], s[1]) for s in options.shapes if len(s) == 2]
+    total, cols = (GPU_ELEMENTS, GPU_COLS) if options.gpu else (CPU_ELEMENTS, CPU_COLS)
+    return [(total // c, c) for c in cols]
+
+
+def cases(options: Options) -> list[Case]:
+    out: list[Case] = []
+    for name, log in (("softmax", False), ("log_softmax", True)):
+        ours = _softmax.log_softmax if log else _softmax.softmax
+        xla = jax.nn.log_softmax if log else jax.nn.softmax
+        for dtype in options.dtypes:
+            dt = dtype_of(dtype)
+            for rows, cols in _shapes(options):
+                n = rows * cols
+                if wants(options, name):
+                    out.append(Case(
+                        op=name, shape=(rows, cols), dtype=dtype,
+                        make_inputs=lambda k, s=(rows, cols), dt=dt: (jax.random.normal(k, s, jnp.float32).astype(dt),),
+                        jaxops_fn=ours, xla_fn=xla, bytes=2 * n * itemsize(dtype), x=cols))
+                if wants(options, name + "_bwd"):
+                    def make(k, s=(rows, cols), dt=dt, xla=xla):
+                        k1, k2 = jax.random.split(k)
+                        y = xla(jax.random.normal(k1, s, jnp.float32)).astype(dt)
+                        return y, jax.random.normal(k2, s, jnp.float32).astype(dt)
+
+                    out.append(Case(
+                        op=name + "_bwd", shape=(rows, cols), dtype=dtype, make_inputs=make,
+                        jaxops_fn=lambda y, dy, log=log: _softmax._backward_call(y, dy, None, log),
+                        xla_fn=_xla_backward(log), bytes=3 * n * itemsize(dtype), x=cols,
+                        note="y,dy->dx"))
+    return out

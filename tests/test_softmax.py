@@ -1,0 +1,201 @@
+"""softmax / log_softmax against jax.nn on fresh random data, every path, dtype and transform."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxops
+from helpers import FLOAT_DTYPES, ON_GPU, assert_close, gpu_only, normal, skip_f64_without_x64
+
+OPS = {"softmax": (jaxops.softmax, jax.nn.softmax), "log_softmax": (jaxops.log_softmax, jax.nn.log_softmax)}
+
+# Row lengths covering every kernel path: warp groups of 1..32 lanes, 1..32 values a lane,
+# odd widths (scalar packs), block/cluster-cached rows, and rows beyond any cluster's shared memory.
+COLS = [1, 2, 3, 31, 32, 33, 100, 1000, 1024, 1025, 4097, 12289, 70001, 262144]
+BEYOND_SMEM_COLS = (1 << 20) + 3  # > 16 blocks x 227 KB of float32
+
+
+def reference(name, x, axis=-1, where=None):
+    """jax.nn in float64 (float32 without x64) to compare against."""
+    ref_dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+    return OPS[name][1](x.astype(ref_dtype), axis=axis, where=where)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("cols", COLS)
+def test_row_lengths_float32(name, cols, key):
+    rows = 3 if cols > 10000 else 37
+    x = normal(key, (rows, cols), jnp.float32, scale=3.0)
+    assert_close(OPS[name][0](x), reference(name, x), jnp.float32)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("cols", [1, 33, 1024, 1030, 4096, 20000])
+def test_dtypes(name, dtype, cols, key):
+    skip_f64_without_x64(dtype)
+    x = normal(key, (5, cols), dtype, scale=2.0)
+    y = OPS[name][0](x)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert_close(y, reference(name, x), dtype)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_beyond_shared_memory(name, key):
+    x = normal(key, (2, BEYOND_SMEM_COLS), jnp.float32, scale=4.0)
+    assert_close(OPS[name][0](x), reference(name, x), jnp.float32, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_many_rows(name, key):
+    x = normal(key, (4099, 64), jnp.bfloat16)
+    assert_close(OPS[name][0](x), reference(name, x), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("axis", [0, 1, -2, (0, 2), None])
+def test_axes(name, axis, key):
+    x = normal(key, (6, 7, 9), jnp.float32)
+    assert_close(OPS[name][0](x, axis=axis), reference(name, x, axis=axis), jnp.float32)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("cols", [5, 64, 1000, 3000, 70001])
+def test_where_with_fully_masked_rows(name, cols, key):
+    kx, km = jax.random.split(key)
+    x = normal(kx, (4, cols), jnp.float32)
+    where = jax.random.bernoulli(km, 0.6, (4, cols)).at[1].set(False).at[2].set(True)
+    y = OPS[name][0](x, where=where)
+    assert_close(y, reference(name, x, where=where), jnp.float32)
+    assert np.all(np.asarray(y[1]) == (0.0 if name == "softmax" else -np.inf))
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_where_broadcasts(name, key):
+    x = normal(key, (3, 4, 50), jnp.float32)
+    where = jnp.arange(50) % 3 != 0
+    assert_close(OPS[name][0](x, where=where), reference(name, x, where=where), jnp.float32)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("cols", [8, 1000, 5000])
+def test_inf_and_nan(name, cols, key):
+    x = np.array(normal(key, (6, cols), jnp.float32))
+    x[0, 3] = np.inf      # +inf: the whole row is NaN, like jax.nn
+    x[1, :] = -np.inf     # all -inf: NaN
+    x[2, 5] = np.nan      # NaN propagates
+    x[3, ::2] = -np.inf   # some -inf: zero probability
+    x[4, 1] = -np.inf
+    x = jnp.asarray(x)
+    assert_close(OPS[name][0](x), reference(name, x), jnp.float32)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("shape", [(0,), (0, 5), (5, 0), (2, 0, 3)])
+def test_empty(name, shape):
+    x = jnp.zeros(shape, jnp.float32)
+    y = OPS[name][0](x)
+    assert y.shape == shape and y.dtype == x.dtype
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_jit_and_nested_vmap(name, key):
+    x = normal(key, (3, 5, 4, 33), jnp.float32)
+    f = jax.jit(jax.vmap(jax.vmap(OPS[name][0], in_axes=1), in_axes=2))
+    g = jax.vmap(jax.vmap(functools.partial(reference, name), in_axes=1), in_axes=2)
+    assert_close(f(x), g(x), jnp.float32)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_vmap_with_where_and_axis(name, key):
+    kx, km = jax.random.split(key)
+    x = normal(kx, (6, 40, 4), jnp.float32)
+    where = jax.random.bernoulli(km, 0.7, (6, 40))
+    f = jax.vmap(lambda a: OPS[name][0](a, axis=0, where=where), in_axes=2, out_axes=2)
+    g = jax.vmap(lambda a: reference(name, a, axis=0, where=where), in_axes=2, out_axes=2)
+    assert_close(f(x), g(x), jnp.float32)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("cols", [7, 33, 1500])
+def test_check_grads(name, cols, key):
+    x = normal(key, (3, cols), jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+    check_grads(lambda a: OPS[name][0](a), (x,), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("cols", [1, 40, 1024, 3000, 70001])
+@pytest.mark.parametrize("masked", [False, True])
+def test_grad_matches_jax(name, dtype, cols, masked, key):
+    kx, kw, km = jax.random.split(key, 3)
+    x = normal(kx, (3, cols), dtype)
+    w = normal(kw, (3, cols), dtype)
+    where = jax.random.bernoulli(km, 0.7, (3, cols)).at[0].set(False) if masked else None
+
+    def loss(fn, a):
+        y = fn(a, where=where)
+        y = jnp.where(jnp.isfinite(y), y, 0)  # masked log_softmax entries are -inf
+        return jnp.sum(y.astype(jnp.float32) * w.astype(jnp.float32))
+
+    got = jax.grad(functools.partial(loss, OPS[name][0]))(x)
+    want = jax.grad(functools.partial(loss, lambda a, where: reference(name, a, where=where)))(x)
+    assert_close(got, want.astype(dtype), dtype, atol=1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_grad_under_jit_and_axis(name, key):
+    x = normal(key, (5, 6, 7), jnp.float32)
+    f = jax.jit(jax.grad(lambda a: jnp.sum(OPS[name][0](a, axis=1) ** 2)))
+    g = jax.grad(lambda a: jnp.sum(reference(name, a, axis=1) ** 2))
+    assert_close(f(x), g(x), jnp.float32, atol=1e-6)
+
+
+def test_bad_input():
+    x = jnp.ones((3, 4), jnp.float32)
+    with pytest.raises(TypeError, match=r"jaxops\.softmax: x must be float.*int32"):
+        jaxops.softmax(jnp.ones((3, 4), jnp.int32))
+    with pytest.raises(ValueError, match=r"jaxops\.log_softmax: axis 2 is out of bounds"):
+        jaxops.log_softmax(x, axis=2)
+    with pytest.raises(ValueError, match=r"jaxops\.softmax: repeated axis"):
+        jaxops.softmax(x, axis=(0, 0))
+    with pytest.raises(ValueError, match=r"jaxops\.softmax: where of shape \(5,\)"):
+        jaxops.softmax(x, where=jnp.ones((5,), bool))
+    with pytest.raises(TypeError, match=r"jaxops\.softmax: where must be a boolean"):
+        jaxops.softmax(x, where=jnp.ones((3, 4), jnp.float32))
+    with pytest.raises(ValueError, match=r"jaxops\.softmax: x must have at least one dimension"):
+        jaxops.softmax(jnp.float32(1.0))
+
+
+def test_handler_rejects_bad_buffers():
+    """The C++ handler validates again: a mask of the wrong shape is an FFI error, not a crash."""
+    call = jax.ffi.ffi_call("jaxops_softmax_fwd", jax.ShapeDtypeStruct((2, 3), jnp.float32))
+    with pytest.raises(Exception, match="where must have the shape of x"):
+        jax.block_until_ready(call(jnp.ones((2, 3), jnp.float32), jnp.ones((5,), bool),
+                                   log=np.int64(0), masked=np.int64(1)))
+    call = jax.ffi.ffi_call("jaxops_softmax_fwd", jax.ShapeDtypeStruct((2, 3), jnp.int32))
+    with pytest.raises(Exception, match="unsupported element type"):
+        jax.block_until_ready(call(jnp.ones((2, 3), jnp.int32), jnp.ones((), bool),
+                                   log=np.int64(0), masked=np.int64(0)))
+
+
+@gpu_only
+def test_more_than_2_to_31_elements():
+    rows, cols = (1 << 21) + 1, 1024  # 2^31 + 1024 bfloat16 elements
+    x = jax.random.normal(jax.random.key(7), (rows, cols), jnp.bfloat16)
+    y = jaxops.softmax(x)
+    tail = x[-3:]
+    assert_close(y[-3:], reference("softmax", tail), jnp.bfloat16)
+    assert_close(y[:2], reference("softmax", x[:2]), jnp.bfloat16)
+
+
+@gpu_only
+@pytest.mark.parametrize("cols", [1 << 15, 1 << 17, 1 << 18])
+def test_cluster_paths_bfloat16(cols, key):
+    x = normal(key, (9, cols), jnp.bfloat16, scale=3.0)
+    for name in OPS:
+        assert_close(OPS[name][0](x), reference(name, x), jnp.bfloat16)
+    assert ON_GPU

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One GPU-machine session: build, test, sanitize and benchmark, logs under $OUT.
+#   tools/gpu_check.sh [build] [test[=PYTEST_ARGS]] [sanitize[=PYTEST_ARGS]] [bench[=BENCH_ARGS]]
+# Each step's log is $OUT/<step>.log; a summary of every step's status goes to $OUT/summary.txt.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-/tmp/jaxops-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+summary=$out/summary.txt
+note() { echo "$*" | tee -a "$summary"; }
+
+step_build() {
+  (cd "$root" && JAXOPS_CUDA=ON JAXOPS_CUDA_ARCHITECTURES=${JAXOPS_CUDA_ARCHITECTURES:-90} \
+     CMAKE_BUILD_PARALLEL_LEVEL=16 pip install --no-build-isolation --no-deps -v . ) >"$out/build.log" 2>&1
+}
+step_test() {
+  (cd /tmp && python -c "import jaxops, jax; print(jaxops.build_info(), jax.devices())" &&
+   pytest -q -p no:cacheprovider -o cache_dir=/tmp/pc "$root/tests" ${1:-}) >"$out/test.log" 2>&1
+}
+step_sanitize() {
+  local args=${1:-"$root/tests/test_softmax.py -k not(2_to_31)"}
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  (cd /tmp && for tool in memcheck racecheck; do
+     echo "== $tool"
+     compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
+       pytest -q -x -p no:cacheprovider $args || exit $?
+   done) >"$out/sanitize.log" 2>&1
+}
+step_bench() {
+  (cd /tmp && python -m jaxops.bench ${1:-} --json "$out/bench.json" --plot "$out/bench.png") >"$out/bench.log" 2>&1
+}
+
+for arg in "$@"; do
+  step=${arg%%=*}
+  params=""
+  [[ "$arg" == *=* ]] && params=${arg#*=}
+  start=$(date +%s)
+  "step_$step" "$params"
+  rc=$?
+  note "$step rc=$rc $(( $(date +%s) - start ))s"
+  tail -n 3 "$out/$step.log" | sed 's/^/    /' | tee -a "$summary"
+  [ "$step" = build ] && [ $rc -ne 0 ] && { tail -n 60 "$out/build.log"; exit 1; }
+done
+exit 0
