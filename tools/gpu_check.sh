@@ -16,7 +16,7 @@ step_build() {
 }
 step_test() {
   (cd /tmp && python -c "import jaxops, jax; print(jaxops.build_info(), jax.devices())" &&
-   pytest -q -p no:cacheprovider -o cache_dir=/tmp/pc "$root/tests" ${1:-}) >"$out/test.log" 2>&1
+   pytest -q -p no:cacheprovider ${1:-"$root/tests"}) >"$out/test.log" 2>&1
 }
 step_sanitize() {
   local args=${1:-"$root/tests/test_softmax.py -k not(2_to_31)"}
