@@ -12,11 +12,11 @@ note() { echo "$*" | tee -a "$summary"; }
 
 step_build() {
   (cd "$root" && JAXOPS_CUDA=ON JAXOPS_CUDA_ARCHITECTURES=${JAXOPS_CUDA_ARCHITECTURES:-90} \
-     CMAKE_BUILD_PARALLEL_LEVEL=16 pip install --no-build-isolation --no-deps -v . ) >"$out/build.log" 2>&1
+     CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation --no-deps -v . ) >"$out/build.log" 2>&1
 }
 step_test() {
   (cd /tmp && python -c "import jaxops, jax; print(jaxops.build_info(), jax.devices())" &&
-   pytest -q -p no:cacheprovider ${1:-"$root/tests"}) >"$out/test.log" 2>&1
+   python3 -m pytest -q -p no:cacheprovider ${1:-"$root/tests"}) >"$out/test.log" 2>&1
 }
 step_sanitize() {
   local args=${1:-"$root/tests/test_softmax.py -k not(2_to_31)"}
@@ -24,7 +24,7 @@ step_sanitize() {
   (cd /tmp && for tool in memcheck racecheck; do
      echo "== $tool"
      compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
-       pytest -q -x -p no:cacheprovider $args || exit $?
+       python3 -m pytest -q -x -p no:cacheprovider $args || exit $?
    done) >"$out/sanitize.log" 2>&1
 }
 step_bench() {
