@@ -88,7 +88,7 @@ __device__ __forceinline__ A block_reduce(A v, A* scratch, Op op = Op{}) {
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    A w = lane < nwarps ? scratch[lane] : scratch[0];
+    A w = lane < nwarps ? scratch[lane] : Op::template identity<A>();
     w = warp_reduce<Op>(w, op);
     if (lane == 0) scratch[32] = w;
   }

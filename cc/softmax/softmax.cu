@@ -24,6 +24,7 @@ using namespace jaxops::cuda;
 constexpr int kWarpMaxCols = 1024;
 constexpr int kWarpBlockThreads = 128;
 constexpr size_t kCachedBytesPerBlock = 32 * 1024;  // leaves room for several blocks per SM
+constexpr int kUnroll = 4;  // independent 16-byte loads each thread keeps in flight
 
 template <class A> __device__ __forceinline__ A neg_inf() { return -A(INFINITY); }
 
@@ -223,17 +224,29 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask, T* __rest
   for (int64_t row = blockIdx.x / nblocks; row < rows; row += gridDim.x / nblocks) {
     const int64_t off = row * cols + begin;
     A m = neg_inf<A>();
-    for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
-      Pack<T, P> pk = load_pack<T, P>(x + off + i * P);
-      if (mask) {
-        const Pack<bool, P> mk = load_pack<bool, P>(mask + off + i * P);
+    for (int64_t i0 = threadIdx.x; i0 < npacks; i0 += kUnroll * blockDim.x) {
+      Pack<T, P> pk[kUnroll];
+      Pack<bool, P> mk[kUnroll];
 #pragma unroll
-        for (int p = 0; p < P; ++p)
-          if (!mk.v[p]) pk.v[p] = from_acc<T>(neg_inf<A>());
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = i0 + u * blockDim.x;
+        if (i < npacks) {
+          pk[u] = load_pack<T, P>(x + off + i * P);
+          if (mask) mk[u] = load_pack<bool, P>(mask + off + i * P);
+        }
       }
 #pragma unroll
-      for (int p = 0; p < P; ++p) m = nan_max(m, to_acc(pk.v[p]));
-      store_pack<T, P>(cache + i * P, pk);
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = i0 + u * blockDim.x;
+        if (i < npacks) {
+#pragma unroll
+          for (int p = 0; p < P; ++p) {
+            if (mask && !mk[u].v[p]) pk[u].v[p] = from_acc<T>(neg_inf<A>());
+            m = nan_max(m, to_acc(pk[u].v[p]));
+          }
+          store_pack<T, P>(cache + i * P, pk[u]);
+        }
+      }
     }
     m = block_reduce<MaxOp>(m, scratch);
     m = cluster_allreduce<MaxOp>(m, &slots[0], &bcast[0]);
@@ -280,22 +293,32 @@ backward_cached(const T* __restrict__ y, const T* __restrict__ dy, const bool* _
   for (int64_t row = blockIdx.x / nblocks; row < rows; row += gridDim.x / nblocks, parity ^= 1) {
     const int64_t off = row * cols + begin;
     A s = 0;
-    for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
-      const Pack<T, P> py = load_pack<T, P>(y + off + i * P);
-      Pack<T, P> pg = load_pack<T, P>(dy + off + i * P);
-      if (mask) {
-        const Pack<bool, P> mk = load_pack<bool, P>(mask + off + i * P);
+    for (int64_t i0 = threadIdx.x; i0 < npacks; i0 += kUnroll * blockDim.x) {
+      Pack<T, P> py[kUnroll], pg[kUnroll];
+      Pack<bool, P> mk[kUnroll];
 #pragma unroll
-        for (int p = 0; p < P; ++p)
-          if (!mk.v[p]) pg.v[p] = from_acc<T>(A(0));
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = i0 + u * blockDim.x;
+        if (i < npacks) {
+          py[u] = load_pack<T, P>(y + off + i * P);
+          pg[u] = load_pack<T, P>(dy + off + i * P);
+          if (mask) mk[u] = load_pack<bool, P>(mask + off + i * P);
+        }
       }
 #pragma unroll
-      for (int p = 0; p < P; ++p) {
-        const A g = to_acc(pg.v[p]);
-        s += log ? g : to_acc(py.v[p]) * g;
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = i0 + u * blockDim.x;
+        if (i < npacks) {
+#pragma unroll
+          for (int p = 0; p < P; ++p) {
+            if (mask && !mk[u].v[p]) pg[u].v[p] = from_acc<T>(A(0));
+            const A g = to_acc(pg[u].v[p]);
+            s += log ? g : to_acc(py[u].v[p]) * g;
+          }
+          store_pack<T, P>(cache_y + i * P, py[u]);
+          store_pack<T, P>(cache_g + i * P, pg[u]);
+        }
       }
-      store_pack<T, P>(cache_y + i * P, py);
-      store_pack<T, P>(cache_g + i * P, pg);
     }
     s = block_reduce<SumOp>(s, scratch);
     // One reduction per row: alternate slots so a fast block never overwrites a slot a peer
@@ -348,12 +371,25 @@ forward_uncached(const T* __restrict__ x, const bool* __restrict__ mask, T* __re
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t off = row * cols;
     A m = neg_inf<A>(), s = 0;
-    for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
-      const Pack<T, P> pk = load_pack<T, P>(x + off + i * P);
-      Pack<bool, P> mk;
-      if (mask) mk = load_pack<bool, P>(mask + off + i * P);
+    for (int64_t i0 = threadIdx.x; i0 < npacks; i0 += kUnroll * blockDim.x) {
+      Pack<T, P> pk[kUnroll];
+      Pack<bool, P> mk[kUnroll];
 #pragma unroll
-      for (int p = 0; p < P; ++p) online_update(m, s, (mask && !mk.v[p]) ? neg_inf<A>() : to_acc(pk.v[p]));
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = i0 + u * blockDim.x;
+        if (i < npacks) {
+          pk[u] = load_pack<T, P>(x + off + i * P);
+          if (mask) mk[u] = load_pack<bool, P>(mask + off + i * P);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (i0 + u * blockDim.x < npacks) {
+#pragma unroll
+          for (int p = 0; p < P; ++p)
+            online_update(m, s, (mask && !mk[u].v[p]) ? neg_inf<A>() : to_acc(pk[u].v[p]));
+        }
+      }
     }
     const A row_max = block_reduce<MaxOp>(m, scratch);
     // Rescale each thread's sum to the row max; threads that saw only -inf contribute nothing.

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no benchmark case matches the options", file=sys.stderr)
         return 1
     repeats = args.repeats or (20 if gpu else 3)
-    copies = args.copies or (4 if gpu else 2)
+    copies = args.copies or (6 if gpu else 3)
     largest = max(c.bytes for c in cases)
     copy_bw = copy_bandwidth(min(max(largest // 2, 1 << 20), 1 << 30), copies, repeats)
     device = str(jax.devices()[0].device_kind)
