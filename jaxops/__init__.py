@@ -6,6 +6,9 @@ family holds the public functions; this package re-exports them.
 """
 __version__ = "0.1.0"
 
+from jaxops import _version_check
+
+_version_check.check_jax()  # first: a too-old jax gets an ImportError naming the version needed
 from jaxops import _knn, _layer_norm, _normalization, _reductions, _softmax
 from jaxops._ffi import build_info, has_cuda
 from jaxops._knn import *  # noqa: F401,F403

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import jax
-import numpy as np
+from jaxops import _version_check
 
-from jaxops import _jaxops_cpu
+_version_check.check_jax()  # first: a too-old jax gets an ImportError naming the version needed
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxops import _jaxops_cpu  # noqa: E402
 
 try:  # built only where a CUDA compiler was found
     from jaxops import _jaxops_cuda
@@ -19,13 +23,24 @@ _REBUILD_HINT = (
 )
 
 
+def _register(name: str, capsule: Any, platform: str, ffi_api: tuple[int, int]) -> None:
+    try:
+        jax.ffi.register_ffi_target(name, capsule, platform=platform)
+    except Exception as err:  # e.g. XLA refusing the handlers' FFI API version
+        raise _version_check.registration_error(name, platform, err, ffi_api) from err
+
+
 def _register_all() -> None:
     cpu_targets = _jaxops_cpu.registrations()
+    cpu_api = tuple(_jaxops_cpu.build_info()["ffi_api_version"])
     for name, capsule in cpu_targets.items():
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+        _register(name, capsule, "cpu", cpu_api)
     if _jaxops_cuda is not None:
+        # Without a CUDA backend jax only records these (registered if a CUDA plugin loads
+        # later), so a wheel with CUDA handlers imports on a machine without a GPU.
+        cuda_api = tuple(_jaxops_cuda.build_info()["ffi_api_version"])
         for name, capsule in _jaxops_cuda.registrations().items():
-            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+            _register(name, capsule, "CUDA", cuda_api)
         return
     # Without CUDA handlers, a GPU run reaches a handler that reports how to rebuild instead of
     # XLA's opaque "no handler registered".
@@ -46,22 +61,36 @@ def has_cuda() -> bool:
 
 
 def build_info() -> dict[str, Any]:
-    """Version, platforms, CUDA architectures and FFI API version compiled into jaxops."""
+    """What this jaxops installation was built with, and the jax it runs on.
+
+    Returns:
+      A dict with ``version`` (jaxops), ``platforms`` (``["cpu"]`` or ``["cpu", "cuda"]``),
+      ``cuda_architectures`` (CMake-style, e.g. ``["80-real", "90"]``: sm_80 machine code, sm_90
+      machine code and compute_90 PTX; None without CUDA), ``cuda_version`` (of nvcc; None
+      without CUDA), ``ffi_api_version`` (the XLA FFI API the handlers were compiled against,
+      e.g. ``(0, 1)``), ``targets`` (FFI targets per platform), ``jax_minimum`` (oldest
+      supported jax/jaxlib), ``jax_version`` and ``jaxlib_version`` (installed).
+    """
     from jaxops import __version__
 
     cpu = _jaxops_cpu.build_info()
+    jax_version, jaxlib_version = _version_check.installed_versions()
     info: dict[str, Any] = {
         "version": __version__,
         "platforms": ["cpu"] + (["cuda"] if _jaxops_cuda is not None else []),
-        "ffi_api_version": tuple(cpu["ffi_api_version"]),
         "cuda_architectures": None,
         "cuda_version": None,
-        "jax_version": jax.__version__,
+        "ffi_api_version": tuple(cpu["ffi_api_version"]),
+        "targets": {"cpu": int(cpu["targets"])},
+        "jax_minimum": _version_check.JAX_MINIMUM,
+        "jax_version": jax_version,
+        "jaxlib_version": jaxlib_version,
     }
     if _jaxops_cuda is not None:
         cuda = _jaxops_cuda.build_info()
         info["cuda_architectures"] = cuda["cuda_architectures"].split(",")
         info["cuda_version"] = cuda["cuda_version"]
+        info["targets"]["cuda"] = int(cuda["targets"])
     return info
 
 

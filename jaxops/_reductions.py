@@ -1,2 +1,281 @@
-"""Placeholder: filled in by its op family."""
-__all__: list[str] = []
+"""Reductions: drop-ins for ``jnp.sum/mean/max/min/argmax/argmin`` and ``jax.nn.logsumexp``.
+
+Every op runs on an (outer, reduced, inner) view of its input: when the reduced axes are one
+contiguous block of the row-major layout (ignoring extent-1 axes) the view is a free reshape,
+so last-axis (row) and leading-axis (column) reductions each take one pass over memory with no
+transpose. A non-contiguous axis tuple, e.g. ``axis=(0, 2)`` of a rank-3 array, transposes the
+reduced axes to the end first (correct, but one extra read and write of the input).
+
+Results are deterministic (no atomics: partial results of a split reduced axis are merged in
+a fixed order), accumulate in float32 for the half types (float64 for float64) and follow the
+jnp rules for NaN, infinities, ties and empty axes.
+"""
+from __future__ import annotations
+
+import builtins
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxops._checks import canonical_axes, check_float
+from jaxops._ffi import ffi_call
+from jaxops._sharding import Rule, sharded_call
+
+__all__ = ["sum", "mean", "max", "min", "logsumexp", "argmax", "argmin"]
+
+# Values of the FFI `op` attribute (cc/reduce/reduce_ops.h: OpKind).
+_OPS = {"sum": 0, "mean": 1, "max": 2, "min": 3, "logsumexp": 4, "argmax": 5, "argmin": 6}
+_ARG_OPS = ("argmax", "argmin")
+# Value of an empty reduction where jnp has one.
+_EMPTY = {"sum": 0.0, "mean": float("nan"), "logsumexp": -float("inf")}
+
+# Launch plan constants shared with cc/reduce/reduce_kernels.cuh: rows up to this length get a
+# warp each; otherwise the reduced axis is split until about _TARGET_BLOCKS blocks fill the GPU.
+_WARP_ROW_MAX = 4096
+_TARGET_BLOCKS = 1024
+_BUSY_BLOCKS = 512        # this many blocks without splitting already fill an H100
+_MIN_ROW_CHUNK = 8192     # elements per block of a split row
+_COLUMN_THREADS = 256
+
+
+def sum(x: jax.typing.ArrayLike, axis: int | tuple[int, ...] | None = None,
+        keepdims: bool = False) -> jax.Array:
+    """Sum over ``axis``, like :func:`jnp.sum` (float inputs; float32 accumulation for halves).
+
+    Args:
+      x: float32, bfloat16, float16 or float64 array.
+      axis: None (all axes), an int (negative counts from the end) or a tuple of ints.
+      keepdims: keep the reduced axes with extent 1.
+
+    Returns:
+      An array of ``x``'s dtype. An empty reduced axis gives 0. Differentiable; works under
+      ``jax.jit`` and ``jax.vmap``.
+    """
+    return _reduce("sum", x, axis, keepdims)
+
+
+def mean(x: jax.typing.ArrayLike, axis: int | tuple[int, ...] | None = None,
+         keepdims: bool = False) -> jax.Array:
+    """Mean over ``axis``, like :func:`jnp.mean`; an empty reduced axis gives NaN.
+
+    Same arguments, dtypes and transformations as :func:`sum`.
+    """
+    return _reduce("mean", x, axis, keepdims)
+
+
+def max(x: jax.typing.ArrayLike, axis: int | tuple[int, ...] | None = None,
+        keepdims: bool = False) -> jax.Array:
+    """Maximum over ``axis``, like :func:`jnp.max`: NaN propagates.
+
+    Reducing an empty axis raises ValueError (there is no identity), as jnp does. The gradient
+    is shared equally among tied maxima, like jnp's. Same arguments as :func:`sum`.
+    """
+    return _reduce("max", x, axis, keepdims)
+
+
+def min(x: jax.typing.ArrayLike, axis: int | tuple[int, ...] | None = None,
+        keepdims: bool = False) -> jax.Array:
+    """Minimum over ``axis``, like :func:`jnp.min`; see :func:`max`."""
+    return _reduce("min", x, axis, keepdims)
+
+
+def logsumexp(x: jax.typing.ArrayLike, axis: int | tuple[int, ...] | None = None,
+              keepdims: bool = False) -> jax.Array:
+    """``log(sum(exp(x)))`` over ``axis`` in one pass, like :func:`jax.nn.logsumexp`.
+
+    Stable for any magnitude (an online running max). A slice of all ``-inf`` (or an empty
+    axis) gives ``-inf``, any ``+inf`` gives ``+inf``, any NaN gives NaN. The gradient is the
+    softmax of ``x`` over ``axis``. Same arguments as :func:`sum`.
+    """
+    return _reduce("logsumexp", x, axis, keepdims)
+
+
+def argmax(x: jax.typing.ArrayLike, axis: int | None = None, keepdims: bool = False) -> jax.Array:
+    """Index of the maximum along ``axis`` (flat index when None), like :func:`jnp.argmax`.
+
+    Returns int32. Ties give the first index; a NaN counts as the maximum (the first NaN wins).
+    An empty axis raises ValueError, as jnp does. Not differentiable (an integer result).
+    """
+    return _reduce("argmax", x, axis, keepdims)
+
+
+def argmin(x: jax.typing.ArrayLike, axis: int | None = None, keepdims: bool = False) -> jax.Array:
+    """Index of the minimum along ``axis``, like :func:`jnp.argmin`; see :func:`argmax`."""
+    return _reduce("argmin", x, axis, keepdims)
+
+
+def _reduce(fn: str, x, axis, keepdims: bool) -> jax.Array:
+    x = jnp.asarray(x)
+    check_float(fn, "x", x)
+    arg = fn in _ARG_OPS
+    if arg and axis is not None and (isinstance(axis, bool) or not isinstance(axis, (int, np.integer))):
+        raise TypeError(f"jaxops.{fn}: axis must be None or an int, got {axis!r}")
+    if not isinstance(keepdims, (bool, np.bool_)):
+        raise TypeError(f"jaxops.{fn}: keepdims must be a bool, got {keepdims!r}")
+    axes = canonical_axes(fn, axis, x.ndim)
+    out_shape = tuple(d for i, d in enumerate(x.shape) if i not in axes)
+    final_shape = (tuple(1 if i in axes else d for i, d in enumerate(x.shape)) if keepdims
+                   else out_shape)
+    n = math.prod(x.shape[a] for a in axes)
+    if n == 0 and fn in ("max", "min"):
+        raise ValueError(f"jaxops.{fn}: zero-size array to reduction operation {fn} which has no identity")
+    if n == 0 and arg:
+        raise ValueError(f"jaxops.{fn}: attempt to get {fn} of an empty sequence")
+    if arg and n > np.iinfo(np.int32).max:
+        raise ValueError(f"jaxops.{fn}: {n} elements along the reduced axes do not fit int32 indices")
+    if n == 0 or math.prod(out_shape) == 0:
+        dtype = jnp.int32 if arg else x.dtype
+        return jnp.full(final_shape, 0 if arg else _EMPTY.get(fn, 0.0), dtype)
+
+    perm, outer, inner = _view(x.shape, axes)
+    x3 = (x if perm is None else jnp.transpose(x, perm)).reshape(outer, n, inner)
+    if arg:  # integer result: keep autodiff away from the FFI call
+        y = _call(fn, jax.lax.stop_gradient(x3))
+    else:
+        y = _reduce3(fn, n, x3)
+    return y.reshape(final_shape)
+
+
+def _view(shape: tuple[int, ...], axes: tuple[int, ...]):
+    """(permutation or None, outer, inner) so that x viewed as (outer, n, inner) reduces axis 1."""
+    big = [i for i, d in enumerate(shape) if d != 1]  # extent-1 axes do not affect the layout
+    where = [k for k, i in enumerate(big) if i in axes]
+    if not where or where == list(range(where[0], where[-1] + 1)):
+        first = big[where[0]] if where else len(shape)
+        last = big[where[-1]] if where else len(shape) - 1
+        return None, math.prod(shape[:first]), math.prod(shape[last + 1:])
+    kept = tuple(i for i in range(len(shape)) if i not in axes)
+    return kept + axes, math.prod(shape[i] for i in kept), 1
+
+
+def _next_pow2(v: int, cap: int) -> int:
+    p = 1
+    while p < v and p < cap:
+        p *= 2
+    return p
+
+
+def _splits(outer: int, n: int, inner: int, itemsize: int) -> int:
+    """How many chunks the reduced axis is cut into (a fixed function of the shape, so results
+    do not depend on the device); mirrors the block shapes of reduce_kernels.cuh."""
+    if inner == 1:
+        if n <= _WARP_ROW_MAX or outer >= _BUSY_BLOCKS:
+            return 1
+        return builtins.max(1, builtins.min(-(-_TARGET_BLOCKS // outer), -(-n // _MIN_ROW_CHUNK)))
+    pack = 16 // itemsize if inner % (16 // itemsize) == 0 else 1
+    tx = _next_pow2(-(-inner // pack), 32)
+    ty = _COLUMN_THREADS // tx
+    blocks = outer * -(-inner // (tx * pack))
+    if blocks >= _BUSY_BLOCKS:
+        return 1
+    return builtins.max(1, builtins.min(-(-_TARGET_BLOCKS // blocks), n // (4 * ty)))
+
+
+def _state_bytes(fn: str, dtype) -> int:
+    """Bytes of one partial state (cc/reduce/reduce_ops.h: state_bytes)."""
+    acc = 8 if jnp.dtype(dtype) == jnp.float64 else 4
+    if fn == "logsumexp":
+        return 2 * acc
+    if fn in _ARG_OPS:
+        return 16 if acc == 8 else 8
+    return acc
+
+
+def _call(fn: str, x3: jax.Array) -> jax.Array:
+    """The reduction of x3's axis 1; split across devices (jaxops._sharding), outer and inner
+    stay split and a split reduced axis gives per-device partials merged by all-reduces."""
+    return sharded_call(fn, partial(_call_local, fn=fn), _REDUCE_RULE, x3)
+
+
+_REDUCE_RULE = Rule(operands=(("o", "n", "i"),), results=(("o", "i"),), reduced=("n",))
+
+
+def _call_local(x3: jax.Array, *, axes, fn: str) -> jax.Array:
+    y = _call_block(fn, x3)
+    names = axes.get("n", ())
+    return _merge_partials(fn, x3, y, names) if names else y
+
+
+def _merge_partials(fn: str, x3, y, names):
+    """Global result from this device's partial `y` over its block of the reduced axis.
+
+    Only all-reduces of output-sized arrays, in the accumulation dtype. max/min/arg* carry a
+    NaN flag explicitly, so NaN wins whatever the collective's own NaN handling is.
+    """
+    acc = jnp.promote_types(x3.dtype, jnp.float32)
+    if fn in ("sum", "mean"):
+        total = jax.lax.psum(y.astype(acc), names)
+        return (total if fn == "sum" else total / jax.lax.psum(1, names)).astype(y.dtype)
+    if fn == "logsumexp":  # max, then sum of exp relative to it
+        ya = y.astype(acc)
+        top = jax.lax.pmax(ya, names)
+        finite = jnp.isfinite(top)
+        total = jax.lax.psum(jnp.exp(ya - jnp.where(finite, top, 0)), names)
+        return jnp.where(finite, top + jnp.log(total), top).astype(y.dtype)
+    if fn in ("max", "min"):
+        nan = jnp.isnan(y)
+        extreme = jax.lax.pmax if fn == "max" else jax.lax.pmin
+        best, any_nan = extreme(jnp.where(nan, 0, y), names), _any(nan, names)
+        return jnp.where(any_nan, jnp.nan, best).astype(y.dtype)
+    # argmax / argmin: (value, global index) pairs; NaN first, then the extreme, then the index.
+    n_local = x3.shape[1]
+    value = jnp.take_along_axis(x3, y[:, None, :], axis=1)[:, 0, :]
+    index = y + (jax.lax.axis_index(names) * n_local).astype(y.dtype)
+    nan = jnp.isnan(value)
+    any_nan = _any(nan, names)
+    masked = jnp.where(nan, -jnp.inf if fn == "argmax" else jnp.inf, value)
+    best = (jax.lax.pmax if fn == "argmax" else jax.lax.pmin)(masked, names)
+    hit = jnp.where(any_nan, nan, (value == best) & ~nan)
+    return jax.lax.pmin(jnp.where(hit, index, np.iinfo(np.int32).max), names)
+
+
+def _any(flags, names):
+    return jax.lax.pmax(flags.astype(jnp.int32), names) > 0
+
+
+def _call_block(fn: str, x3: jax.Array) -> jax.Array:
+    outer, n, inner = x3.shape
+    splits = _splits(outer, n, inner, jnp.dtype(x3.dtype).itemsize)
+    ws_bytes = outer * inner * splits * _state_bytes(fn, x3.dtype) if splits > 1 else 0
+    out_dtype = jnp.int32 if fn in _ARG_OPS else x3.dtype
+    y, _ = ffi_call(fn, "jaxops_reduce",
+                    (jax.ShapeDtypeStruct((outer, inner), out_dtype),
+                     jax.ShapeDtypeStruct((ws_bytes,), jnp.uint8)),
+                    x3, op=_OPS[fn], splits=splits)
+    return y
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _reduce3(fn: str, n: int, x3: jax.Array) -> jax.Array:
+    return _call(fn, x3)
+
+
+def _reduce3_fwd(fn, n, x3):
+    y = _call(fn, x3)
+    # sum and mean need only the shape; the others need x and the result.
+    return y, ((None, None) if fn in ("sum", "mean") else (x3, y))
+
+
+def _reduce3_bwd(fn, n, residuals, g):
+    outer, inner = g.shape
+    shape = (outer, n, inner)
+    if fn == "sum":
+        return (jnp.broadcast_to(g[:, None, :], shape),)
+    if fn == "mean":
+        acc = jnp.promote_types(g.dtype, jnp.float32)
+        return (jnp.broadcast_to((g.astype(acc) / n).astype(g.dtype)[:, None, :], shape),)
+    x3, y = residuals
+    if fn == "logsumexp":  # d/dx logsumexp = softmax(x) = exp(x - logsumexp(x))
+        acc = jnp.promote_types(x3.dtype, jnp.float32)
+        p = jnp.exp(x3.astype(acc) - y.astype(acc)[:, None, :])
+        return ((g.astype(acc)[:, None, :] * p).astype(x3.dtype),)
+    # max / min: jnp's rule, ties share equally (and a NaN result gives NaN gradients).
+    hit = (x3 == y[:, None, :]).astype(g.dtype)
+    counts = jnp.sum(hit, axis=1)
+    return (hit * (g / counts)[:, None, :],)
+
+
+_reduce3.defvjp(_reduce3_fwd, _reduce3_bwd)

@@ -16,19 +16,19 @@ step_build() {
 }
 step_test() {
   (cd /tmp && python -c "import jaxops, jax; print(jaxops.build_info(), jax.devices())" &&
-   python3 -m pytest -q -p no:cacheprovider ${1:-"$root/tests"}) >"$out/test.log" 2>&1
+   eval "python3 -m pytest -q -p no:cacheprovider ${1:-$root/tests}") >"$out/test.log" 2>&1
 }
 step_sanitize() {
-  local args=${1:-"$root/tests/test_softmax.py -k not(2_to_31)"}
+  local args=${1:-"$root/tests/test_softmax.py -k 'not 2_to_31'"}
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   (cd /tmp && for tool in memcheck racecheck; do
      echo "== $tool"
      compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
-       python3 -m pytest -q -x -p no:cacheprovider $args || exit $?
+       eval "python3 -m pytest -q -x -p no:cacheprovider $args" || exit $?
    done) >"$out/sanitize.log" 2>&1
 }
 step_bench() {
-  (cd /tmp && python -m jaxops.bench ${1:-} --json "$out/bench.json" --plot "$out/bench.png") >"$out/bench.log" 2>&1
+  (cd /tmp && eval "python3 -m jaxops.bench ${1:-}" --json "$out/bench.json" --plot "$out/bench.png") >"$out/bench.log" 2>&1
 }
 
 for arg in "$@"; do

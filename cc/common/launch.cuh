@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "common/cuda_util.cuh"
+
 namespace jaxops::cuda {
 
 template <class T>
@@ -46,14 +48,24 @@ cudaError_t launch_clustered(Kernel kernel, int64_t grid, int threads, size_t sm
   return cudaGetLastError();
 }
 
-// Whether clusters of `cluster` blocks of this shape can be resident at all on this device.
+// How many clusters of `cluster` blocks of this shape the device holds at once (0: none fit).
 template <class Kernel>
-bool cluster_fits(Kernel kernel, int threads, size_t smem, int cluster) {
-  if (cluster <= 1) return true;
-  if (allow_dynamic_smem(kernel, smem) != cudaSuccess) return false;
+int64_t resident_clusters(Kernel kernel, int threads, size_t smem, int cluster, const DeviceInfo& dev) {
+  if (allow_dynamic_smem(kernel, smem) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  if (cluster <= 1) {
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return int64_t(per_sm) * dev.sm_count;
+  }
   if (cluster > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
     cudaGetLastError();
-    return false;
+    return 0;
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(cluster);
@@ -68,10 +80,10 @@ bool cluster_fits(Kernel kernel, int threads, size_t smem, int cluster) {
   config.numAttrs = 1;
   int active = 0;
   if (cudaOccupancyMaxActiveClusters(&active, kernel, &config) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky-free error so later launches are not blamed
-    return false;
+    cudaGetLastError();  // a refused shape is an answer, not an error for the next launch
+    return 0;
   }
-  return active > 0;
+  return active;
 }
 
 }  // namespace jaxops::cuda

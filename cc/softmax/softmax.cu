@@ -226,24 +226,23 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask, T* __rest
     A m = neg_inf<A>();
     for (int64_t i0 = threadIdx.x; i0 < npacks; i0 += kUnroll * blockDim.x) {
       Pack<T, P> pk[kUnroll];
-      Pack<bool, P> mk[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = i0 + u * blockDim.x;
-        if (i < npacks) {
-          pk[u] = load_pack<T, P>(x + off + i * P);
-          if (mask) mk[u] = load_pack<bool, P>(mask + off + i * P);
-        }
+        if (i < npacks) pk[u] = load_pack<T, P>(x + off + i * P);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = i0 + u * blockDim.x;
         if (i < npacks) {
+          if (mask) {
+            const Pack<bool, P> mk = load_pack<bool, P>(mask + off + i * P);
 #pragma unroll
-          for (int p = 0; p < P; ++p) {
-            if (mask && !mk[u].v[p]) pk[u].v[p] = from_acc<T>(neg_inf<A>());
-            m = nan_max(m, to_acc(pk[u].v[p]));
+            for (int p = 0; p < P; ++p)
+              if (!mk.v[p]) pk[u].v[p] = from_acc<T>(neg_inf<A>());
           }
+#pragma unroll
+          for (int p = 0; p < P; ++p) m = nan_max(m, to_acc(pk[u].v[p]));
           store_pack<T, P>(cache + i * P, pk[u]);
         }
       }
@@ -293,25 +292,30 @@ backward_cached(const T* __restrict__ y, const T* __restrict__ dy, const bool* _
   for (int64_t row = blockIdx.x / nblocks; row < rows; row += gridDim.x / nblocks, parity ^= 1) {
     const int64_t off = row * cols + begin;
     A s = 0;
-    for (int64_t i0 = threadIdx.x; i0 < npacks; i0 += kUnroll * blockDim.x) {
-      Pack<T, P> py[kUnroll], pg[kUnroll];
-      Pack<bool, P> mk[kUnroll];
+    // Two inputs a pack: half the unroll keeps the loads in registers for 2-byte types.
+    constexpr int U = sizeof(T) == 2 ? kUnroll / 2 : kUnroll;
+    for (int64_t i0 = threadIdx.x; i0 < npacks; i0 += U * blockDim.x) {
+      Pack<T, P> py[U], pg[U];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < U; ++u) {
         const int64_t i = i0 + u * blockDim.x;
         if (i < npacks) {
           py[u] = load_pack<T, P>(y + off + i * P);
           pg[u] = load_pack<T, P>(dy + off + i * P);
-          if (mask) mk[u] = load_pack<bool, P>(mask + off + i * P);
         }
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < U; ++u) {
         const int64_t i = i0 + u * blockDim.x;
         if (i < npacks) {
+          if (mask) {
+            const Pack<bool, P> mk = load_pack<bool, P>(mask + off + i * P);
+#pragma unroll
+            for (int p = 0; p < P; ++p)
+              if (!mk.v[p]) pg[u].v[p] = from_acc<T>(A(0));
+          }
 #pragma unroll
           for (int p = 0; p < P; ++p) {
-            if (mask && !mk[u].v[p]) pg[u].v[p] = from_acc<T>(A(0));
             const A g = to_acc(pg[u].v[p]);
             s += log ? g : to_acc(py[u].v[p]) * g;
           }
@@ -457,6 +461,7 @@ backward_uncached(const T* __restrict__ y, const T* __restrict__ dy, const bool*
 // Host dispatch.
 
 struct CachedPlan {
+  int64_t max_clusters = 0;  // clusters resident at once: the persistent grid
   int cluster = 1;
   int64_t slice = 0;  // columns per block, a multiple of the pack
   int threads = 0;
@@ -479,16 +484,18 @@ bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, co
     if (smem > smem_limit) return false;
     const int64_t packs = slice / pack;
     const int threads = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(packs, 4 * 32) * 32, 128, 1024));
-    if (cluster_fits(kernel, threads, smem, cluster)) {
-      *plan = {cluster, slice, threads, smem};
+    const int64_t resident = resident_clusters(kernel, threads, smem, cluster, dev);
+    if (resident > 0) {
+      *plan = {resident, cluster, slice, threads, smem};
       return true;
     }
   }
   return false;
 }
 
-int64_t cached_grid(int64_t rows, int cluster) {
-  return std::min<int64_t>(rows, int64_t(1) << 24) * cluster;
+// A persistent grid: every resident cluster loops over rows, so cluster scheduling is paid once.
+int64_t cached_grid(int64_t rows, const CachedPlan& plan) {
+  return std::min<int64_t>(rows, plan.max_clusters) * plan.cluster;
 }
 
 int64_t uncached_grid(int64_t rows, const DeviceInfo& dev) {
@@ -507,7 +514,7 @@ cudaError_t forward_packed(const T* x, const bool* mask, T* y, int64_t rows, int
   }
   CachedPlan plan;
   if (plan_cached(forward_cached<T, P>, cols, P, sizeof(T), dev, &plan)) {
-    return launch_clustered(forward_cached<T, P>, cached_grid(rows, plan.cluster), plan.threads, plan.smem,
+    return launch_clustered(forward_cached<T, P>, cached_grid(rows, plan), plan.threads, plan.smem,
                             plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
   }
   forward_uncached<T, P><<<uncached_grid(rows, dev), 1024, 0, stream>>>(x, mask, y, rows, cols, log);
@@ -527,7 +534,7 @@ cudaError_t backward_packed(const T* y, const T* dy, const bool* mask, T* dx, in
   }
   CachedPlan plan;
   if (plan_cached(backward_cached<T, P>, cols, P, 2 * sizeof(T), dev, &plan)) {
-    return launch_clustered(backward_cached<T, P>, cached_grid(rows, plan.cluster), plan.threads, plan.smem,
+    return launch_clustered(backward_cached<T, P>, cached_grid(rows, plan), plan.threads, plan.smem,
                             plan.cluster, stream, y, dy, mask, dx, rows, cols, plan.slice, log);
   }
   backward_uncached<T, P><<<uncached_grid(rows, dev), 1024, 0, stream>>>(y, dy, mask, dx, rows, cols, log);

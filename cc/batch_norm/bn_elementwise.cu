@@ -1,0 +1,187 @@
+// The elementwise passes of batch_norm over each group's flattened R*C elements:
+//   forward  — y = (x - mean) * a + b (+ residual), relu, and the bit mask;
+//   backward — dx = a * dy' + b * (x - mean) + c and dresidual = dy' (dy' = dy masked by the bit).
+// A tiny kernel first turns the per-channel inputs into one Coef record per channel
+// (bn_math.h), so the main kernel fetches one 16-byte record per element from L1/L2.
+// Warp-chunk layout (common/bitmask.cuh): 16-byte packs, each warp writes whole mask words.
+#include <algorithm>
+
+#include "batch_norm/bn_launch.h"
+#include "batch_norm/bn_math.h"
+#include "common/bitmask.cuh"
+#include "common/cuda_util.cuh"
+
+namespace jaxops::batch_norm {
+namespace {
+
+using cuda::acc_t;
+using cuda::from_acc;
+using cuda::to_acc;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+template <class A>
+__global__ void forward_coef_kernel(const A* __restrict__ scale, const A* __restrict__ bias,
+                                    const A* __restrict__ mean, const A* __restrict__ var,
+                                    Coef<A>* __restrict__ coef, int64_t n, A eps) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) coef[i] = forward_coef<A>(scale[i], bias[i], mean[i], var[i], eps);
+}
+
+template <class A>
+__global__ void backward_coef_kernel(const A* __restrict__ scale, const A* __restrict__ mean,
+                                     const A* __restrict__ var, const A* __restrict__ sum_dy,
+                                     const A* __restrict__ sum_dyxhat, const A* __restrict__ dmean,
+                                     const A* __restrict__ dvar, Coef<A>* __restrict__ coef, int64_t n, A eps,
+                                     A count, bool train) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n)
+    coef[i] = backward_coef<A>(scale[i], mean[i], var[i], eps, sum_dy[i], sum_dyxhat[i], dmean[i], dvar[i],
+                               count, train);
+}
+
+// Channel of each of the lane's P elements (element e of a group is channel e % C).
+template <int P>
+__device__ __forceinline__ void channels_of(int64_t e0, int64_t C, int64_t (&ch)[P]) {
+  int64_t c = e0 % C;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    ch[k] = c;
+    if (++c == C) c = 0;
+  }
+}
+
+template <class T, int P>
+__global__ void __launch_bounds__(kThreads)
+apply_kernel(const T* __restrict__ x, const T* __restrict__ res, const Coef<acc_t<T>>* __restrict__ coef,
+             T* __restrict__ y, uint32_t* __restrict__ mask, int64_t L, int64_t C, int64_t chunks_per_row,
+             int64_t chunks, int64_t wpg, bool vec, bool relu) {
+  using A = acc_t<T>;
+  const int lane = threadIdx.x % 32;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
+  // The loop bound is per warp, so the warp collective below always sees all 32 lanes.
+  for (int64_t chunk = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; chunk < chunks;
+       chunk += stride) {
+    const cuda::WarpChunk c = cuda::warp_chunk<P>(chunk, chunks_per_row);
+    const int64_t base = c.row * L;
+    T v[P], r[P];
+    cuda::load_run<T, P>(x + base, c.c0, L, vec, v);
+    if (res) cuda::load_run<T, P>(res + base, c.c0, L, vec, r);
+    int64_t ch[P];
+    channels_of<P>(c.c0, C, ch);
+    const Coef<A>* cg = coef + c.row * C;
+    uint32_t bits = 0;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      if (c.c0 + k >= L) continue;  // past the end: bit stays 0
+      const Coef<A> q = cg[ch[k]];
+      A z = (to_acc(v[k]) - q.shift) * q.a + q.b;
+      if (res) z += to_acc(r[k]);
+      if (relu) {
+        const bool pos = z > A(0);
+        bits |= static_cast<uint32_t>(pos) << k;
+        if (!(pos || z != z)) z = A(0);  // NaN propagates like jax.nn.relu
+      }
+      v[k] = from_acc<T>(z);
+    }
+    cuda::store_run<T, P>(y + base, c.c0, L, vec, v);
+    if (wpg > 0) {
+      const uint32_t word = cuda::warp_mask_words<P>(bits);
+      const int64_t w = c.ch * P + lane;
+      if (lane < P && w < wpg) mask[c.row * wpg + w] = word;
+    }
+  }
+}
+
+template <class T, int P>
+__global__ void __launch_bounds__(kThreads)
+dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* __restrict__ mask,
+          const Coef<acc_t<T>>* __restrict__ coef, T* __restrict__ dx, T* __restrict__ dres, int64_t L,
+          int64_t C, int64_t chunks_per_row, int64_t chunks, int64_t wpg, bool vec) {
+  using A = acc_t<T>;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t chunk = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; chunk < chunks;
+       chunk += stride) {
+    const cuda::WarpChunk c = cuda::warp_chunk<P>(chunk, chunks_per_row);
+    if (c.c0 >= L) continue;  // no warp collective in this kernel
+    const int64_t base = c.row * L;
+    T g[P], v[P];
+    cuda::load_run<T, P>(dy + base, c.c0, L, vec, g);
+    cuda::load_run<T, P>(x + base, c.c0, L, vec, v);
+    // c0 is a multiple of P and P divides 32: the lane's bits share one word.
+    const uint32_t bits = mask ? cuda::mask_bits<P>(mask + c.row * wpg, c.c0) : ~0u;
+    int64_t ch[P];
+    channels_of<P>(c.c0, C, ch);
+    const Coef<A>* cg = coef + c.row * C;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      if (!((bits >> k) & 1u)) g[k] = from_acc<T>(A(0));  // select: a masked NaN dy gives 0
+      const Coef<A> q = cg[ch[k]];
+      v[k] = from_acc<T>(q.a * to_acc(g[k]) + q.b * (to_acc(v[k]) - q.shift) + q.c);
+    }
+    cuda::store_run<T, P>(dx + base, c.c0, L, vec, v);
+    if (dres) cuda::store_run<T, P>(dres + base, c.c0, L, vec, g);
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+cudaError_t chunk_grid(int64_t chunks, int* blocks) {
+  cuda::DeviceInfo info;
+  if (cudaError_t err = cuda::device_info(&info)) return err;
+  const int64_t needed = (chunks + kWarps - 1) / kWarps;
+  *blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(needed, int64_t(info.sm_count) * 32)));
+  return cudaSuccess;
+}
+
+int coef_blocks(int64_t n) { return static_cast<int>((n + 255) / 256); }
+
+}  // namespace
+
+cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const void* scale,
+                       const void* bias, const void* mean, const void* var, const void* residual, void* y,
+                       uint32_t* mask, void* coef, double eps, bool relu) {
+  JAXOPS_DISPATCH_FLOAT(v.dtype, T, {
+    using A = acc_t<T>;
+    constexpr int P = 16 / sizeof(T);
+    const int64_t n = v.groups * v.channels, L = v.elements_per_group();
+    forward_coef_kernel<A><<<coef_blocks(n), 256, 0, stream>>>(
+        static_cast<const A*>(scale), static_cast<const A*>(bias), static_cast<const A*>(mean),
+        static_cast<const A*>(var), static_cast<Coef<A>*>(coef), n, A(eps));
+    const int64_t cpr = (L + 32 * P - 1) / (32 * P);
+    const bool vec = L % P == 0 && aligned16(x) && aligned16(y) && (!residual || aligned16(residual));
+    int blocks = 0;
+    if (cudaError_t err = chunk_grid(v.groups * cpr, &blocks)) return err;
+    apply_kernel<T, P><<<blocks, kThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const Coef<A>*>(coef),
+        static_cast<T*>(y), mask, L, v.channels, cpr, v.groups * cpr, v.mask_words, vec, relu);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t backward_dx_cuda(cudaStream_t stream, const View& v, const void* dy, const void* x,
+                             const uint32_t* mask, const void* scale, const void* mean, const void* var,
+                             const void* sum_dy, const void* sum_dyxhat, const void* dmean, const void* dvar,
+                             void* dx, void* dres, void* coef, double eps, bool relu, bool train, int64_t count) {
+  JAXOPS_DISPATCH_FLOAT(v.dtype, T, {
+    using A = acc_t<T>;
+    constexpr int P = 16 / sizeof(T);
+    const int64_t n = v.groups * v.channels, L = v.elements_per_group();
+    backward_coef_kernel<A><<<coef_blocks(n), 256, 0, stream>>>(
+        static_cast<const A*>(scale), static_cast<const A*>(mean), static_cast<const A*>(var),
+        static_cast<const A*>(sum_dy), static_cast<const A*>(sum_dyxhat), static_cast<const A*>(dmean),
+        static_cast<const A*>(dvar), static_cast<Coef<A>*>(coef), n, A(eps), static_cast<A>(count), train);
+    const int64_t cpr = (L + 32 * P - 1) / (32 * P);
+    const bool vec = L % P == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) && (!dres || aligned16(dres));
+    int blocks = 0;
+    if (cudaError_t err = chunk_grid(v.groups * cpr, &blocks)) return err;
+    dx_kernel<T, P><<<blocks, kThreads, 0, stream>>>(
+        static_cast<const T*>(dy), static_cast<const T*>(x), relu ? mask : nullptr,
+        static_cast<const Coef<A>*>(coef), static_cast<T*>(dx), static_cast<T*>(dres), L, v.channels, cpr,
+        v.groups * cpr, v.mask_words, vec);
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace jaxops::batch_norm

@@ -1,0 +1,136 @@
+// CPU FFI handlers of batch_norm: statistics, normalize(+add+relu), backward reduce, backward dx.
+#include "batch_norm/bn_args.h"
+#include "batch_norm/bn_cpu.h"
+#include "common/registry.h"
+
+namespace jaxops::batch_norm {
+namespace {
+
+ffi::Error StatsCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> var,
+                    ffi::Result<ffi::AnyBuffer> ws) {
+  View v;
+  int64_t cap = 0;
+  if (auto err = check_stats(x, *mean, *var, *ws, &v, &cap); err.failure()) return err;
+  if (v.elements() == 0) return ffi::Error::Success();
+  stats_cpu(v, x.untyped_data(), mean->untyped_data(), var->untyped_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error ApplyCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::AnyBuffer mean,
+                    ffi::AnyBuffer var, ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> y,
+                    ffi::Result<ffi::AnyBuffer> mask, ffi::Result<ffi::AnyBuffer> coef, int64_t eps_bits,
+                    int64_t relu, int64_t with_mask, int64_t has_residual) {
+  View v;
+  const double eps = eps_from_bits(eps_bits);
+  if (auto err = check_apply(x, scale, bias, mean, var, residual, *y, *mask, *coef, eps, relu, with_mask,
+                             has_residual, &v);
+      err.failure())
+    return err;
+  if (v.elements() == 0) return ffi::Error::Success();
+  apply_cpu(v, x.untyped_data(), scale.untyped_data(), bias.untyped_data(), mean.untyped_data(),
+            var.untyped_data(), has_residual ? residual.untyped_data() : nullptr, y->untyped_data(),
+            static_cast<uint32_t*>(mask->untyped_data()), eps, relu != 0);
+  return ffi::Error::Success();
+}
+
+ffi::Error BackwardReduceCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::AnyBuffer mean,
+                             ffi::AnyBuffer var, ffi::Result<ffi::AnyBuffer> sum_dy,
+                             ffi::Result<ffi::AnyBuffer> sum_dyxhat, ffi::Result<ffi::AnyBuffer> ws,
+                             int64_t eps_bits, int64_t relu) {
+  View v;
+  const double eps = eps_from_bits(eps_bits);
+  int64_t cap = 0;
+  if (auto err = check_backward_reduce(dy, x, mask, mean, var, *sum_dy, *sum_dyxhat, *ws, eps, relu != 0,
+                                       &v, &cap);
+      err.failure())
+    return err;
+  if (v.groups * v.channels == 0) return ffi::Error::Success();
+  backward_reduce_cpu(v, dy.untyped_data(), x.untyped_data(),
+                      relu ? static_cast<const uint32_t*>(mask.untyped_data()) : nullptr, mean.untyped_data(),
+                      var.untyped_data(), sum_dy->untyped_data(), sum_dyxhat->untyped_data(), eps);
+  return ffi::Error::Success();
+}
+
+ffi::Error BackwardDxCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::AnyBuffer scale,
+                         ffi::AnyBuffer mean, ffi::AnyBuffer var, ffi::AnyBuffer sum_dy,
+                         ffi::AnyBuffer sum_dyxhat, ffi::AnyBuffer dmean, ffi::AnyBuffer dvar,
+                         ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dres,
+                         ffi::Result<ffi::AnyBuffer> coef, int64_t eps_bits, int64_t relu, int64_t has_residual,
+                         int64_t train, int64_t count) {
+  View v;
+  const double eps = eps_from_bits(eps_bits);
+  const ffi::AnyBuffer* pc[7] = {&scale, &mean, &var, &sum_dy, &sum_dyxhat, &dmean, &dvar};
+  if (auto err = check_backward_dx(dy, x, mask, pc, *dx, *dres, *coef, eps, relu != 0, has_residual != 0,
+                                   count, &v);
+      err.failure())
+    return err;
+  if (v.elements() == 0) return ffi::Error::Success();
+  backward_dx_cpu(v, dy.untyped_data(), x.untyped_data(),
+                  relu ? static_cast<const uint32_t*>(mask.untyped_data()) : nullptr, scale.untyped_data(),
+                  mean.untyped_data(), var.untyped_data(), sum_dy.untyped_data(), sum_dyxhat.untyped_data(),
+                  dmean.untyped_data(), dvar.untyped_data(), dx->untyped_data(),
+                  has_residual ? dres->untyped_data() : nullptr, eps, train != 0, count);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormStatsCpu, StatsCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormApplyCpu, ApplyCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("eps_bits")
+                                  .Attr<int64_t>("relu")
+                                  .Attr<int64_t>("with_mask")
+                                  .Attr<int64_t>("has_residual"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardReduceCpu, BackwardReduceCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("eps_bits")
+                                  .Attr<int64_t>("relu"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardDxCpu, BackwardDxCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("eps_bits")
+                                  .Attr<int64_t>("relu")
+                                  .Attr<int64_t>("has_residual")
+                                  .Attr<int64_t>("train")
+                                  .Attr<int64_t>("count"));
+JAXOPS_REGISTER("jaxops_bn_stats", BatchNormStatsCpu);
+JAXOPS_REGISTER("jaxops_bn_apply", BatchNormApplyCpu);
+JAXOPS_REGISTER("jaxops_bn_bwd_reduce", BatchNormBackwardReduceCpu);
+JAXOPS_REGISTER("jaxops_bn_bwd_dx", BatchNormBackwardDxCpu);
+
+}  // namespace jaxops::batch_norm

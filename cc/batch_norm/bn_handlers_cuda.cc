@@ -1,0 +1,155 @@
+// CUDA FFI handlers of batch_norm (validate, then launch on XLA's stream): statistics,
+// normalize(+add+relu), backward reduce, backward dx.
+#include "batch_norm/bn_args.h"
+#include "batch_norm/bn_launch.h"
+#include "common/cuda_status.h"
+#include "common/registry.h"
+
+namespace jaxops::batch_norm {
+namespace {
+
+ffi::Error StatsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> mean,
+                     ffi::Result<ffi::AnyBuffer> var, ffi::Result<ffi::AnyBuffer> ws) {
+  View v;
+  int64_t cap = 0;
+  if (auto err = check_stats(x, *mean, *var, *ws, &v, &cap); err.failure()) return err;
+  if (v.elements() == 0) return ffi::Error::Success();
+  return cuda_status(stats_cuda(stream, v, x.untyped_data(), mean->untyped_data(), var->untyped_data(),
+                                ws->untyped_data(), cap),
+                     "batch_norm");
+}
+
+ffi::Error ApplyCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
+                     ffi::AnyBuffer mean, ffi::AnyBuffer var, ffi::AnyBuffer residual,
+                     ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mask,
+                     ffi::Result<ffi::AnyBuffer> coef, int64_t eps_bits, int64_t relu, int64_t with_mask,
+                     int64_t has_residual) {
+  View v;
+  const double eps = eps_from_bits(eps_bits);
+  if (auto err = check_apply(x, scale, bias, mean, var, residual, *y, *mask, *coef, eps, relu, with_mask,
+                             has_residual, &v);
+      err.failure())
+    return err;
+  if (v.elements() == 0) return ffi::Error::Success();
+  return cuda_status(apply_cuda(stream, v, x.untyped_data(), scale.untyped_data(), bias.untyped_data(),
+                                mean.untyped_data(), var.untyped_data(),
+                                has_residual ? residual.untyped_data() : nullptr, y->untyped_data(),
+                                static_cast<uint32_t*>(mask->untyped_data()), coef->untyped_data(), eps,
+                                relu != 0),
+                     "batch_norm");
+}
+
+ffi::Error BackwardReduceCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                              ffi::AnyBuffer mask, ffi::AnyBuffer mean, ffi::AnyBuffer var,
+                              ffi::Result<ffi::AnyBuffer> sum_dy, ffi::Result<ffi::AnyBuffer> sum_dyxhat,
+                              ffi::Result<ffi::AnyBuffer> ws, int64_t eps_bits, int64_t relu) {
+  View v;
+  const double eps = eps_from_bits(eps_bits);
+  int64_t cap = 0;
+  if (auto err = check_backward_reduce(dy, x, mask, mean, var, *sum_dy, *sum_dyxhat, *ws, eps, relu != 0,
+                                       &v, &cap);
+      err.failure())
+    return err;
+  if (v.groups * v.channels == 0) return ffi::Error::Success();
+  return cuda_status(
+      backward_reduce_cuda(stream, v, dy.untyped_data(), x.untyped_data(),
+                           relu ? static_cast<const uint32_t*>(mask.untyped_data()) : nullptr,
+                           mean.untyped_data(), var.untyped_data(), sum_dy->untyped_data(),
+                           sum_dyxhat->untyped_data(), ws->untyped_data(), cap, eps, relu != 0),
+      "batch_norm_bwd");
+}
+
+ffi::Error BackwardDxCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask,
+                          ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer var,
+                          ffi::AnyBuffer sum_dy, ffi::AnyBuffer sum_dyxhat, ffi::AnyBuffer dmean,
+                          ffi::AnyBuffer dvar, ffi::Result<ffi::AnyBuffer> dx,
+                          ffi::Result<ffi::AnyBuffer> dres, ffi::Result<ffi::AnyBuffer> coef,
+                          int64_t eps_bits, int64_t relu, int64_t has_residual, int64_t train,
+                          int64_t count) {
+  View v;
+  const double eps = eps_from_bits(eps_bits);
+  const ffi::AnyBuffer* pc[7] = {&scale, &mean, &var, &sum_dy, &sum_dyxhat, &dmean, &dvar};
+  if (auto err = check_backward_dx(dy, x, mask, pc, *dx, *dres, *coef, eps, relu != 0, has_residual != 0,
+                                   count, &v);
+      err.failure())
+    return err;
+  if (v.elements() == 0) return ffi::Error::Success();
+  return cuda_status(
+      backward_dx_cuda(stream, v, dy.untyped_data(), x.untyped_data(),
+                       relu ? static_cast<const uint32_t*>(mask.untyped_data()) : nullptr, scale.untyped_data(),
+                       mean.untyped_data(), var.untyped_data(), sum_dy.untyped_data(),
+                       sum_dyxhat.untyped_data(), dmean.untyped_data(), dvar.untyped_data(), dx->untyped_data(),
+                       has_residual ? dres->untyped_data() : nullptr, coef->untyped_data(), eps, relu != 0,
+                       train != 0, count),
+      "batch_norm_bwd");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormStatsCuda, StatsCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormApplyCuda, ApplyCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("eps_bits")
+                                  .Attr<int64_t>("relu")
+                                  .Attr<int64_t>("with_mask")
+                                  .Attr<int64_t>("has_residual"),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardReduceCuda, BackwardReduceCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("eps_bits")
+                                  .Attr<int64_t>("relu"),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardDxCuda, BackwardDxCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("eps_bits")
+                                  .Attr<int64_t>("relu")
+                                  .Attr<int64_t>("has_residual")
+                                  .Attr<int64_t>("train")
+                                  .Attr<int64_t>("count"),
+                              {ffi::Traits::kCmdBufferCompatible});
+JAXOPS_REGISTER("jaxops_bn_stats", BatchNormStatsCuda);
+JAXOPS_REGISTER("jaxops_bn_apply", BatchNormApplyCuda);
+JAXOPS_REGISTER("jaxops_bn_bwd_reduce", BatchNormBackwardReduceCuda);
+JAXOPS_REGISTER("jaxops_bn_bwd_dx", BatchNormBackwardDxCuda);
+
+}  // namespace jaxops::batch_norm

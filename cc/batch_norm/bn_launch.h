@@ -1,0 +1,34 @@
+// Launchers of the batch_norm CUDA kernels (host side). Shapes follow bn_args.h: G groups of
+// R x C, per-channel arrays (G, C) in the statistics dtype A (double for float64 x, else float).
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "batch_norm/bn_view.h"
+
+namespace jaxops::batch_norm {
+
+// mean / biased var per channel: column partials (Welford) per row block into `ws`
+// ((G, cap, 3, C)), then a fixed-order Chan merge. Deterministic.
+cudaError_t stats_cuda(cudaStream_t stream, const View& v, const void* x, void* mean, void* var, void* ws,
+                       int64_t cap);
+
+// y = (x - mean) * scale * invstd + bias (+ residual) (relu) and the mask when v.mask_words > 0.
+// `coef` is a (G, 4, C) workspace for the per-channel coefficients.
+cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const void* scale,
+                       const void* bias, const void* mean, const void* var, const void* residual, void* y,
+                       uint32_t* mask, void* coef, double eps, bool relu);
+
+// sum_dy, sum_dyxhat per channel (dy masked by the relu bit when relu); ws is (G, cap, 2, C).
+cudaError_t backward_reduce_cuda(cudaStream_t stream, const View& v, const void* dy, const void* x,
+                                 const uint32_t* mask, const void* mean, const void* var, void* sum_dy,
+                                 void* sum_dyxhat, void* ws, int64_t cap, double eps, bool relu);
+
+// dx (and dres = dy' when dres is non-null) from per-channel coefficients (bn_math.h).
+cudaError_t backward_dx_cuda(cudaStream_t stream, const View& v, const void* dy, const void* x,
+                             const uint32_t* mask, const void* scale, const void* mean, const void* var,
+                             const void* sum_dy, const void* sum_dyxhat, const void* dmean, const void* dvar,
+                             void* dx, void* dres, void* coef, double eps, bool relu, bool train, int64_t count);
+
+}  // namespace jaxops::batch_norm

@@ -1,0 +1,320 @@
+// Per-channel column reductions of batch_norm over (G, R, C) channel-last data:
+//   forward  — count/mean/M2 (Welford per thread, Chan merges after),
+//   backward — sum(dy') and sum(dy' * (x - mean)), dy' = dy masked by the relu bit.
+//
+// Pass 1: a block owns a tile of rows x channels of one group. Lanes run along C with 16-byte
+// packs (P channels each, so a warp reads contiguous memory), thread rows stride down the tile,
+// and a fixed-order tree in shared memory folds the thread rows into one partial per channel,
+// written to the workspace slot of the row block. Pass 2: one warp per channel folds the row
+// blocks' partials in a fixed order (lane stride then shuffle tree). No atomics: the result
+// depends only on the shape and the device's SM count.
+#include <algorithm>
+
+#include "batch_norm/bn_launch.h"
+#include "batch_norm/bn_math.h"
+#include "common/bitmask.cuh"
+#include "common/cuda_util.cuh"
+
+namespace jaxops::batch_norm {
+namespace {
+
+using cuda::acc_t;
+using cuda::to_acc;
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;  // rows loaded before they are folded in: 4 x 16 bytes in flight per thread
+
+// How the (G, R, C) array is cut into blocks.
+struct Tile {
+  int P = 1;       // channels per thread (pack)
+  int tx = 1;      // threads along C
+  int ty = 1;      // thread rows
+  int64_t ncb = 1; // channel blocks
+  int64_t nrb = 1; // row blocks (<= workspace capacity)
+  int64_t rpb = 1; // rows per row block
+};
+
+Tile plan(const View& v, int vec_pack, bool vec_ok, int64_t cap, int sm_count) {
+  Tile t;
+  t.P = (vec_ok && v.channels % vec_pack == 0) ? vec_pack : 1;
+  const int64_t lanes = (v.channels + t.P - 1) / t.P;
+  t.tx = static_cast<int>(std::min<int64_t>(lanes, 32));
+  t.ty = kThreads / t.tx;
+  t.ncb = (lanes + t.tx - 1) / t.tx;
+  // Enough blocks to fill the chip about eight times over, each with at least one row per thread row.
+  const int64_t want = (int64_t(sm_count) * 8 + v.groups * t.ncb - 1) / (v.groups * t.ncb);
+  const int64_t most = std::max<int64_t>(1, std::min<int64_t>(cap, (v.rows + t.ty - 1) / t.ty));
+  t.nrb = std::max<int64_t>(1, std::min(want, most));
+  t.rpb = (v.rows + t.nrb - 1) / t.nrb;
+  t.nrb = std::max<int64_t>(1, (v.rows + t.rpb - 1) / t.rpb);
+  return t;
+}
+
+struct BlockPos {
+  int64_t g, cb, rb, c0, r0, r1;
+  int tx, ty;
+  bool active;
+};
+
+__device__ __forceinline__ BlockPos block_pos(const Tile& t, int64_t R, int64_t C) {
+  BlockPos b;
+  const int64_t id = blockIdx.x;
+  b.rb = id % t.nrb;
+  const int64_t rest = id / t.nrb;
+  b.cb = rest % t.ncb;
+  b.g = rest / t.ncb;
+  b.tx = threadIdx.x % t.tx;
+  b.ty = threadIdx.x / t.tx;
+  b.c0 = (b.cb * t.tx + b.tx) * t.P;
+  b.active = b.ty < t.ty && b.c0 < C;
+  b.r0 = b.rb * t.rpb;
+  b.r1 = min(R, b.r0 + t.rpb);
+  return b;
+}
+
+// Largest power of two below n (0 for n <= 1): the first stride of the shared-memory tree.
+__device__ __forceinline__ int tree_start(int n) {
+  int s = 1;
+  while (s * 2 < n) s *= 2;
+  return n > 1 ? s : 0;
+}
+
+// ---------------------------------------------------------------- forward statistics
+
+template <class T, int P>
+__global__ void __launch_bounds__(kThreads)
+stats_partial_kernel(const T* __restrict__ x, acc_t<T>* __restrict__ ws, int64_t R, int64_t C, Tile t,
+                     int64_t cap) {
+  using A = acc_t<T>;
+  __shared__ A s_n[kThreads];
+  __shared__ A s_mean[kThreads * P];
+  __shared__ A s_m2[kThreads * P];
+  const BlockPos b = block_pos(t, R, C);
+  A n = 0, mean[P], m2[P];
+#pragma unroll
+  for (int k = 0; k < P; ++k) mean[k] = m2[k] = 0;
+  if (b.active) {
+    const T* xg = x + b.g * R * C + b.c0;
+    for (int64_t r = b.r0 + b.ty; r < b.r1; r += int64_t(t.ty) * kUnroll) {
+      cuda::Pack<T, P> v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (r + u * t.ty < b.r1) v[u] = cuda::load_pack<T, P>(xg + (r + u * t.ty) * C);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (r + u * t.ty >= b.r1) break;
+        n += A(1);
+        const A rn = A(1) / n;  // one division per row, shared by the P channels
+#pragma unroll
+        for (int k = 0; k < P; ++k) {
+          const A xv = to_acc(v[u].v[k]);
+          const A d = xv - mean[k];
+          mean[k] += d * rn;
+          m2[k] += d * (xv - mean[k]);
+        }
+      }
+    }
+  }
+  const int tid = threadIdx.x;
+  s_n[tid] = n;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    s_mean[tid * P + k] = mean[k];
+    s_m2[tid * P + k] = m2[k];
+  }
+  for (int s = tree_start(t.ty); s > 0; s /= 2) {
+    __syncthreads();
+    if (b.active && b.ty < s && b.ty + s < t.ty) {
+      const int o = tid + s * t.tx;
+      const A nb = s_n[o];
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        A nn = s_n[tid];
+        chan_merge(nn, s_mean[tid * P + k], s_m2[tid * P + k], nb, s_mean[o * P + k], s_m2[o * P + k]);
+        if (k == P - 1) s_n[tid] = nn;
+      }
+    }
+  }
+  if (b.active && b.ty == 0) {
+    A* out = ws + (b.g * cap + b.rb) * 3 * C + b.c0;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      out[k] = s_n[tid];
+      out[C + k] = s_mean[tid * P + k];
+      out[2 * C + k] = s_m2[tid * P + k];
+    }
+  }
+}
+
+template <class A>
+__global__ void stats_merge_kernel(const A* __restrict__ ws, A* __restrict__ mean, A* __restrict__ var,
+                                   int64_t G, int64_t C, int64_t nrb, int64_t cap) {
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (w >= G * C) return;  // whole warps leave together
+  const int64_t g = w / C, c = w - g * C;
+  const A* p = ws + g * cap * 3 * C + c;
+  A n = 0, m = 0, m2 = 0;
+  for (int64_t j = lane; j < nrb; j += 32) chan_merge(n, m, m2, p[j * 3 * C], p[j * 3 * C + C], p[j * 3 * C + 2 * C]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    const A nb = __shfl_xor_sync(0xffffffffu, n, off);
+    const A mb = __shfl_xor_sync(0xffffffffu, m, off);
+    const A m2b = __shfl_xor_sync(0xffffffffu, m2, off);
+    chan_merge(n, m, m2, nb, mb, m2b);
+  }
+  if (lane == 0) {
+    mean[w] = m;
+    var[w] = m2 / n;
+  }
+}
+
+// ---------------------------------------------------------------- backward sums
+
+template <class T, int P>
+__global__ void __launch_bounds__(kThreads)
+grad_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* __restrict__ mask,
+                    const acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ ws, int64_t R, int64_t C,
+                    Tile t, int64_t cap, int64_t wpg, bool relu) {
+  using A = acc_t<T>;
+  __shared__ A s_1[kThreads * P];
+  __shared__ A s_2[kThreads * P];
+  const BlockPos b = block_pos(t, R, C);
+  A s1[P], s2[P], mu[P];
+#pragma unroll
+  for (int k = 0; k < P; ++k) s1[k] = s2[k] = mu[k] = 0;
+  if (b.active) {
+#pragma unroll
+    for (int k = 0; k < P; ++k) mu[k] = mean[b.g * C + b.c0 + k];
+    const int64_t base = b.g * R * C + b.c0;
+    const uint32_t* mg = relu ? mask + b.g * wpg : nullptr;
+    for (int64_t r = b.r0 + b.ty; r < b.r1; r += int64_t(t.ty) * kUnroll) {
+      cuda::Pack<T, P> g[kUnroll], v[kUnroll];
+      uint32_t bits[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t rr = r + u * t.ty;
+        if (rr < b.r1) {
+          g[u] = cuda::load_pack<T, P>(dy + base + rr * C);
+          v[u] = cuda::load_pack<T, P>(x + base + rr * C);
+          bits[u] = relu ? cuda::mask_bits<P>(mg, rr * C + b.c0) : ~0u;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (r + u * t.ty >= b.r1) break;
+#pragma unroll
+        for (int k = 0; k < P; ++k) {
+          if (!((bits[u] >> k) & 1u)) continue;  // select, not multiply: a masked NaN/inf dy is dropped
+          const A gd = to_acc(g[u].v[k]);
+          s1[k] += gd;
+          s2[k] += gd * (to_acc(v[u].v[k]) - mu[k]);
+        }
+      }
+    }
+  }
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    s_1[tid * P + k] = s1[k];
+    s_2[tid * P + k] = s2[k];
+  }
+  for (int s = tree_start(t.ty); s > 0; s /= 2) {
+    __syncthreads();
+    if (b.active && b.ty < s && b.ty + s < t.ty) {
+      const int o = tid + s * t.tx;
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        s_1[tid * P + k] += s_1[o * P + k];
+        s_2[tid * P + k] += s_2[o * P + k];
+      }
+    }
+  }
+  if (b.active && b.ty == 0) {
+    A* out = ws + (b.g * cap + b.rb) * 2 * C + b.c0;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      out[k] = s_1[tid * P + k];
+      out[C + k] = s_2[tid * P + k];
+    }
+  }
+}
+
+template <class A>
+__global__ void grad_merge_kernel(const A* __restrict__ ws, const A* __restrict__ var, A* __restrict__ sum_dy,
+                                  A* __restrict__ sum_dyxhat, int64_t G, int64_t C, int64_t nrb, int64_t cap,
+                                  A eps) {
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (w >= G * C) return;
+  const int64_t g = w / C, c = w - g * C;
+  const A* p = ws + g * cap * 2 * C + c;
+  A s1 = 0, s2 = 0;
+  for (int64_t j = lane; j < nrb; j += 32) {
+    s1 += p[j * 2 * C];
+    s2 += p[j * 2 * C + C];
+  }
+  s1 = cuda::warp_reduce<cuda::SumOp>(s1);
+  s2 = cuda::warp_reduce<cuda::SumOp>(s2);
+  if (lane == 0) {
+    sum_dy[w] = s1;
+    sum_dyxhat[w] = s2 * inv_std(var[w], eps);
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+int merge_blocks(int64_t warps) { return static_cast<int>((warps + 7) / 8); }
+
+}  // namespace
+
+cudaError_t stats_cuda(cudaStream_t stream, const View& v, const void* x, void* mean, void* var, void* ws,
+                       int64_t cap) {
+  cuda::DeviceInfo info;
+  if (cudaError_t err = cuda::device_info(&info)) return err;
+  JAXOPS_DISPATCH_FLOAT(v.dtype, T, {
+    using A = acc_t<T>;
+    constexpr int kP = 16 / sizeof(T);
+    const Tile t = plan(v, kP, aligned16(x), cap, info.sm_count);
+    const int64_t blocks = v.groups * t.ncb * t.nrb;
+    if (t.P == kP)
+      stats_partial_kernel<T, kP><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<A*>(ws),
+                                                                   v.rows, v.channels, t, cap);
+    else
+      stats_partial_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<A*>(ws),
+                                                                  v.rows, v.channels, t, cap);
+    stats_merge_kernel<A><<<merge_blocks(v.groups * v.channels), 256, 0, stream>>>(
+        static_cast<const A*>(ws), static_cast<A*>(mean), static_cast<A*>(var), v.groups, v.channels, t.nrb, cap);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t backward_reduce_cuda(cudaStream_t stream, const View& v, const void* dy, const void* x,
+                                 const uint32_t* mask, const void* mean, const void* var, void* sum_dy,
+                                 void* sum_dyxhat, void* ws, int64_t cap, double eps, bool relu) {
+  cuda::DeviceInfo info;
+  if (cudaError_t err = cuda::device_info(&info)) return err;
+  JAXOPS_DISPATCH_FLOAT(v.dtype, T, {
+    using A = acc_t<T>;
+    constexpr int kP = 16 / sizeof(T);
+    Tile t = plan(v, kP, aligned16(x) && aligned16(dy), cap, info.sm_count);
+    if (v.rows == 0) t.nrb = 0;  // nothing to reduce: the merge writes zeros
+    const int64_t blocks = v.groups * t.ncb * t.nrb;
+    if (blocks > 0) {
+      if (t.P == kP)
+        grad_partial_kernel<T, kP><<<blocks, kThreads, 0, stream>>>(
+            static_cast<const T*>(dy), static_cast<const T*>(x), mask, static_cast<const A*>(mean),
+            static_cast<A*>(ws), v.rows, v.channels, t, cap, v.mask_words, relu);
+      else
+        grad_partial_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(
+            static_cast<const T*>(dy), static_cast<const T*>(x), mask, static_cast<const A*>(mean),
+            static_cast<A*>(ws), v.rows, v.channels, t, cap, v.mask_words, relu);
+    }
+    grad_merge_kernel<A><<<merge_blocks(v.groups * v.channels), 256, 0, stream>>>(
+        static_cast<const A*>(ws), static_cast<const A*>(var), static_cast<A*>(sum_dy),
+        static_cast<A*>(sum_dyxhat), v.groups, v.channels, t.nrb, cap, A(eps));
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace jaxops::batch_norm

@@ -1,0 +1,13 @@
+// The one KNN kernel entry point, for the CPU twin and the CUDA launcher alike: merge one tile of
+// reference columns into each query's running top-k list (see knn_key.h for the order).
+#pragma once
+#include <cstdint>
+
+#include "knn/knn_view.h"
+
+namespace jaxops::knn {
+
+// CPU twin: blocked threshold filter + nth_element, identical order and tie rules.
+void select_cpu(const SelectView& v, const SelectBuffers& b);
+
+}  // namespace jaxops::knn

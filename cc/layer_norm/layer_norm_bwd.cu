@@ -1,0 +1,108 @@
+// Backward launchers: dx and per-slot partial column sums (team / block-cached / uncached
+// kernel by row length), then reduce_slots for dscale (and dbias).
+#include "layer_norm/layer_norm_cuda.h"
+#include "layer_norm/layer_norm_kernels.cuh"
+#include "layer_norm/layer_norm_launch.cuh"
+
+namespace jaxops::layer_norm {
+namespace {
+
+constexpr int kTeamThreads = 256;
+
+// Slots per group and grid: enough blocks to fill the device (blocks_per_sm per SM), at most
+// the workspace's slots and one slot per row.
+struct SlotPlan {
+  int64_t used = 1;
+  int64_t grid = 1;
+};
+
+SlotPlan plan_slots(const BackwardArgs& a, const cuda::DeviceInfo& info, int blocks_per_sm) {
+  const Shape& s = a.shape;
+  const int64_t target = int64_t{info.sm_count} * blocks_per_sm;
+  SlotPlan p;
+  p.used = std::clamp<int64_t>((target + s.groups - 1) / s.groups, 1,
+                               std::min(a.slots_per_group, s.rows_per_group));
+  p.grid = std::min(s.groups * p.used, target);
+  return p;
+}
+
+template <class T>
+cudaError_t launch_reduce(const BackwardArgs& a, int64_t used, cudaStream_t stream) {
+  const int64_t blocks = (a.shape.cols + 31) / 32 * a.shape.groups * num_acc(a.shape.rms);
+  reduce_slots<T><<<static_cast<unsigned>(blocks), dim3(32, 8), 0, stream>>>(a, used);
+  return cudaGetLastError();
+}
+
+template <class T, class Kernel>
+cudaError_t launch_slotted(Kernel kernel, const BackwardArgs& a, const cuda::DeviceInfo& info, int threads,
+                           size_t smem, cudaStream_t stream) {
+  int per_sm = 1;
+  if (cudaError_t err = prepare(kernel, threads, smem, &per_sm); err != cudaSuccess) return err;
+  const SlotPlan plan = plan_slots(a, info, per_sm);
+  kernel<<<static_cast<unsigned>(plan.grid), threads, smem, stream>>>(a, plan.used);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  return launch_reduce<T>(a, plan.used, stream);
+}
+
+template <class T, int kPack, int kPacks, int kWidth>
+cudaError_t launch_team(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
+  const size_t smem = sizeof(acc_t<T>) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols);
+  return launch_slotted<T>(backward_team<T, kPack, kPacks, kWidth>, a, info, kTeamThreads, smem, stream);
+}
+
+template <class T, int kPack>
+cudaError_t launch_narrow(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream,
+                          int width) {
+  switch (width) {
+    case 1: return launch_team<T, kPack, 1, 1>(a, info, stream);
+    case 2: return launch_team<T, kPack, 1, 2>(a, info, stream);
+    case 4: return launch_team<T, kPack, 1, 4>(a, info, stream);
+    case 8: return launch_team<T, kPack, 1, 8>(a, info, stream);
+    case 16: return launch_team<T, kPack, 1, 16>(a, info, stream);
+    default: return launch_team<T, kPack, 1, 32>(a, info, stream);
+  }
+}
+
+template <class T, int kPack>
+cudaError_t launch_wide(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream, int packs) {
+  if constexpr (kPack > 1) {
+    if (packs <= 2) return launch_team<T, kPack, 2, 32>(a, info, stream);
+    if (packs <= 4 && 4 * kPack <= 32) return launch_team<T, kPack, 4, 32>(a, info, stream);
+    if constexpr (8 * kPack <= 32) return launch_team<T, kPack, 8, 32>(a, info, stream);
+  }
+  return cudaErrorInvalidValue;  // unreachable: the caller checked the capacity
+}
+
+template <class T, int kPack>
+cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
+  using A = acc_t<T>;
+  const int64_t npacks = a.shape.cols / kPack;
+  constexpr int64_t kMaxTeamPacks = kPack > 1 ? 32 * std::min(8, 32 / kPack) : 32;
+  if (npacks <= 32) return launch_narrow<T, kPack>(a, info, stream, team_width(npacks));
+  if (npacks <= kMaxTeamPacks) return launch_wide<T, kPack>(a, info, stream, team_packs(npacks));
+
+  const int threads = block_threads(npacks, 2);
+  const size_t cached = (sizeof(A) * num_acc(a.shape.rms) + 2 * sizeof(T)) * static_cast<size_t>(a.shape.cols);
+  if (cached <= dynamic_smem_limit(info, 64 * sizeof(A)))
+    return launch_slotted<T>(backward_block<T, kPack, true>, a, info, threads, cached, stream);
+  return launch_slotted<T>(backward_block<T, kPack, false>, a, info, threads, 0, stream);
+}
+
+template <class T>
+cudaError_t backward_typed(const BackwardArgs& a, cudaStream_t stream) {
+  cuda::DeviceInfo info;
+  if (cudaError_t err = cuda::device_info(&info); err != cudaSuccess) return err;
+  const void* ptrs[] = {a.x, a.dy, a.dx, a.scale};
+  if (cuda::pack_size_for<T>(a.shape.cols, ptrs, 4) == kVecPack<T>)
+    return backward_packed<T, kVecPack<T>>(a, info, stream);
+  return backward_packed<T, 1>(a, info, stream);
+}
+
+}  // namespace
+
+cudaError_t backward_cuda(const BackwardArgs& a, cudaStream_t stream) {
+  JAXOPS_DISPATCH_FLOAT(a.dtype, T, return backward_typed<T>(a, stream));
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace jaxops::layer_norm

@@ -1,0 +1,507 @@
+// Device code of layer_norm / rms_norm, shared by layer_norm_fwd.cu and layer_norm_bwd.cu.
+//
+// Three ways to hold a row, chosen on the host by row length (like OneFlow's softmax):
+//  - team: a group of kWidth <= 32 lanes of one warp owns a row of up to 1024 elements in
+//    registers (kPacks 16-byte packs per lane, interleaved so each access is coalesced);
+//    statistics and backward sums are lane shuffles only;
+//  - block: one block per row, the row cached in dynamic shared memory, so x is read from
+//    global memory once (forward) / x and dy once (backward);
+//  - uncached: rows beyond shared memory are re-read from global memory (forward: one Welford
+//    pass for the statistics, one pass to write y).
+// Variance is computed from deviations about the mean (two passes over registers / shared
+// memory, or Welford), never as E[x^2] - E[x]^2, so data with mean 1e4 and std 0.1 is exact.
+//
+// Backward parameter gradients: a block owns whole "slots" (contiguous rows of one group) and
+// sums dy * xhat (and dy) over a slot per column in a fixed order, writing one partial row per
+// slot to the workspace; reduce_slots adds a group's slots in a fixed order. Bit-reproducible
+// for a given shape and device; no atomics.
+#pragma once
+#include "common/cuda_util.cuh"
+#include "layer_norm/layer_norm_params.h"
+
+namespace jaxops::layer_norm {
+
+using cuda::acc_t;
+using cuda::from_acc;
+using cuda::load_pack;
+using cuda::Pack;
+using cuda::store_pack;
+using cuda::to_acc;
+
+template <class T>
+constexpr int kVecPack = 16 / static_cast<int>(sizeof(T));
+
+template <class A>
+__device__ __forceinline__ A inv_sqrt(A v) {
+  return A(1) / sqrt(v);
+}
+
+// Sum over each group of kWidth consecutive lanes; every lane of the warp must call it.
+template <int kWidth, class A>
+__device__ __forceinline__ A team_sum(A v) {
+  return cuda::warp_reduce<cuda::SumOp, kWidth>(v);
+}
+
+// Block-wide sums of two values in a fixed order; every thread gets both. scratch: 64 values.
+template <class A>
+__device__ __forceinline__ void block_sum2(A& a, A& b, A* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
+  a = cuda::warp_reduce<cuda::SumOp>(a);
+  b = cuda::warp_reduce<cuda::SumOp>(b);
+  __syncthreads();  // the previous call's readers are done with scratch
+  if (lane == 0) {
+    scratch[warp] = a;
+    scratch[32 + warp] = b;
+  }
+  __syncthreads();
+  a = A(0);
+  b = A(0);
+  for (int w = 0; w < nwarps; ++w) {
+    a += scratch[w];
+    b += scratch[32 + w];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+
+// The row's first element. Rows far from zero (mean 1e4, std 0.1) lose most digits in float32
+// when summed or centred as x - mean (the mean itself rounds to 1e-3 there); x - shift is
+// exact, so the kernels keep the mean as shift + mean_rel and centre as (x - shift) - mean_rel.
+template <class T>
+__device__ __forceinline__ acc_t<T> row_shift(const Shape& s, const T* x, int64_t row) {
+  return s.rms ? acc_t<T>(0) : to_acc(x[row * s.cols]);
+}
+
+template <class T, int kPack>
+__device__ __forceinline__ void write_y(const ForwardArgs& a, const Pack<T, kPack>& xp, int64_t row,
+                                        int64_t col, acc_t<T> shift, acc_t<T> mean_rel, acc_t<T> rstd) {
+  using A = acc_t<T>;
+  const Shape& s = a.shape;
+  const int64_t prow = (row / s.rows_per_group) * s.cols + col;
+  const auto sp = load_pack<T, kPack>(static_cast<const T*>(a.scale) + prow);
+  Pack<T, kPack> bp;
+  if (a.bias) bp = load_pack<T, kPack>(static_cast<const T*>(a.bias) + prow);
+  Pack<T, kPack> yp;
+#pragma unroll
+  for (int e = 0; e < kPack; ++e) {
+    A v = ((to_acc(xp.v[e]) - shift) - mean_rel) * rstd * to_acc(sp.v[e]);
+    if (a.bias) v += to_acc(bp.v[e]);
+    yp.v[e] = from_acc<T>(v);
+  }
+  store_pack(static_cast<T*>(a.y) + row * s.cols + col, yp);
+}
+
+template <class T>
+__device__ __forceinline__ void write_stats(const ForwardArgs& a, int64_t row, acc_t<T> mean, acc_t<T> rstd) {
+  if (a.mean) static_cast<acc_t<T>*>(a.mean)[row] = mean;
+  static_cast<acc_t<T>*>(a.rstd)[row] = rstd;
+}
+
+// A team of kWidth lanes per row, row in registers: kPacks packs of kPack elements per lane.
+template <class T, int kPack, int kPacks, int kWidth>
+__global__ void __launch_bounds__(128) forward_team(ForwardArgs a) {
+  using A = acc_t<T>;
+  const Shape s = a.shape;
+  const int teams = blockDim.x / kWidth, team = threadIdx.x / kWidth, lane = threadIdx.x % kWidth;
+  const int64_t npacks = s.cols / kPack;
+  const T* x = static_cast<const T*>(a.x);
+  // Block-uniform trip count: shuffles need every lane of a warp, even past the last row.
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * teams; base < s.rows;
+       base += static_cast<int64_t>(gridDim.x) * teams) {
+    const int64_t row = base + team;
+    const bool valid_row = row < s.rows;
+    Pack<T, kPack> xp[kPacks];
+    const A shift = row_shift<T>(s, x, valid_row ? row : 0);
+    A sum = 0;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int64_t p = lane + k * kWidth;
+      if (valid_row && p < npacks) {
+        xp[k] = load_pack<T, kPack>(x + row * s.cols + p * kPack);
+#pragma unroll
+        for (int e = 0; e < kPack; ++e) sum += to_acc(xp[k].v[e]) - shift;
+      }
+    }
+    const A mean_rel = s.rms ? A(0) : team_sum<kWidth>(sum) / A(s.cols);
+    A sq = 0;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int64_t p = lane + k * kWidth;
+      if (valid_row && p < npacks) {
+#pragma unroll
+        for (int e = 0; e < kPack; ++e) {
+          const A d = (to_acc(xp[k].v[e]) - shift) - mean_rel;
+          sq += d * d;
+        }
+      }
+    }
+    const A rstd = inv_sqrt(team_sum<kWidth>(sq) / A(s.cols) + A(s.epsilon));
+    if (!valid_row) continue;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int64_t p = lane + k * kWidth;
+      if (p < npacks) write_y<T, kPack>(a, xp[k], row, p * kPack, shift, mean_rel, rstd);
+    }
+    if (lane == 0) write_stats<T>(a, row, shift + mean_rel, rstd);
+  }
+}
+
+// One block per row, the row cached in dynamic shared memory (cols elements of T). Each thread
+// re-reads only the packs it cached itself, so no barrier is needed besides the reductions.
+template <class T, int kPack>
+__global__ void __launch_bounds__(1024) forward_block(ForwardArgs a) {
+  using A = acc_t<T>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ A scratch[64];
+  T* cache = reinterpret_cast<T*>(smem_raw);
+  const Shape s = a.shape;
+  const int64_t npacks = s.cols / kPack;
+  const T* x = static_cast<const T*>(a.x);
+  for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
+    const A shift = row_shift<T>(s, x, row);
+    A sum = 0, unused = 0;
+    for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x) {
+      const auto xp = load_pack<T, kPack>(x + row * s.cols + p * kPack);
+      store_pack(cache + p * kPack, xp);
+#pragma unroll
+      for (int e = 0; e < kPack; ++e) sum += to_acc(xp.v[e]) - shift;
+    }
+    A mean_rel = 0;
+    if (!s.rms) {
+      block_sum2(sum, unused, scratch);
+      mean_rel = sum / A(s.cols);
+    }
+    A sq = 0;
+    for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x) {
+      const auto xp = load_pack<T, kPack>(cache + p * kPack);
+#pragma unroll
+      for (int e = 0; e < kPack; ++e) {
+        const A d = (to_acc(xp.v[e]) - shift) - mean_rel;
+        sq += d * d;
+      }
+    }
+    block_sum2(sq, unused, scratch);
+    const A rstd = inv_sqrt(sq / A(s.cols) + A(s.epsilon));
+    for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x)
+      write_y<T, kPack>(a, load_pack<T, kPack>(cache + p * kPack), row, p * kPack, shift, mean_rel, rstd);
+    if (threadIdx.x == 0) write_stats<T>(a, row, shift + mean_rel, rstd);
+  }
+}
+
+// Running (count, mean, sum of squared deviations); merged with Chan et al.'s formula.
+template <class A>
+struct Welford {
+  A n = 0, mean = 0, m2 = 0;
+};
+
+template <class A>
+__device__ __forceinline__ Welford<A> merge(Welford<A> a, Welford<A> b) {
+  if (b.n == A(0)) return a;
+  if (a.n == A(0)) return b;
+  Welford<A> r;
+  r.n = a.n + b.n;
+  const A d = b.mean - a.mean, fb = b.n / r.n;
+  r.mean = a.mean + d * fb;
+  r.m2 = a.m2 + b.m2 + d * d * a.n * fb;
+  return r;
+}
+
+// One block per row; rows too long for shared memory: Welford pass, then a pass writing y.
+// rms_norm keeps mean == 0, so m2 is the plain sum of squares.
+template <class T, int kPack>
+__global__ void __launch_bounds__(1024) forward_uncached(ForwardArgs a) {
+  using A = acc_t<T>;
+  __shared__ A scratch[3 * 32];
+  const Shape s = a.shape;
+  const int64_t npacks = s.cols / kPack;
+  const T* x = static_cast<const T*>(a.x);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
+  for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
+    const A shift = row_shift<T>(s, x, row);
+    Welford<A> w;
+    for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x) {
+      const auto xp = load_pack<T, kPack>(x + row * s.cols + p * kPack);
+#pragma unroll
+      for (int e = 0; e < kPack; ++e) {
+        const A v = to_acc(xp.v[e]) - shift;
+        w.n += A(1);
+        if (s.rms) {
+          w.m2 += v * v;
+        } else {
+          const A d = v - w.mean;
+          w.mean += d / w.n;
+          w.m2 += d * (v - w.mean);
+        }
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      Welford<A> o;
+      o.n = __shfl_xor_sync(0xffffffffu, w.n, offset);
+      o.mean = __shfl_xor_sync(0xffffffffu, w.mean, offset);
+      o.m2 = __shfl_xor_sync(0xffffffffu, w.m2, offset);
+      w = merge(w, o);
+    }
+    __syncthreads();
+    if (lane == 0) {
+      scratch[warp] = w.n;
+      scratch[32 + warp] = w.mean;
+      scratch[64 + warp] = w.m2;
+    }
+    __syncthreads();
+    Welford<A> total;
+    for (int i = 0; i < nwarps; ++i) total = merge(total, Welford<A>{scratch[i], scratch[32 + i], scratch[64 + i]});
+    const A mean_rel = s.rms ? A(0) : total.mean;
+    const A rstd = inv_sqrt(total.m2 / A(s.cols) + A(s.epsilon));
+    for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x)
+      write_y<T, kPack>(a, load_pack<T, kPack>(x + row * s.cols + p * kPack), row, p * kPack, shift, mean_rel,
+                        rstd);
+    if (threadIdx.x == 0) write_stats<T>(a, row, shift + mean_rel, rstd);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * scale (rms: no mean(g)).
+
+template <class T>
+__device__ __forceinline__ acc_t<T>* slot_ptr(const BackwardArgs& a, int64_t g, int64_t j) {
+  const int64_t per_slot = num_acc(a.shape.rms) * a.shape.cols;
+  return static_cast<acc_t<T>*>(a.workspace) + (g * a.slots_per_group + j) * per_slot;
+}
+
+// Per-row sums of g and g * xhat over one pack.
+template <class T, int kPack>
+__device__ __forceinline__ void pack_sums(const Pack<T, kPack>& xp, const Pack<T, kPack>& dp,
+                                          const Pack<T, kPack>& sp, acc_t<T> mean, acc_t<T> rstd,
+                                          acc_t<T>& sum_g, acc_t<T>& sum_gx) {
+  using A = acc_t<T>;
+#pragma unroll
+  for (int e = 0; e < kPack; ++e) {
+    const A xhat = (to_acc(xp.v[e]) - mean) * rstd;
+    const A gv = to_acc(dp.v[e]) * to_acc(sp.v[e]);
+    sum_g += gv;
+    sum_gx += gv * xhat;
+  }
+}
+
+// dx for one pack; adds dy * xhat (and dy) into acc_scale / acc_bias.
+template <class T, int kPack>
+__device__ __forceinline__ Pack<T, kPack> pack_dx(const Pack<T, kPack>& xp, const Pack<T, kPack>& dp,
+                                                  const Pack<T, kPack>& sp, acc_t<T> mean, acc_t<T> rstd,
+                                                  acc_t<T> mg, acc_t<T> mgx, acc_t<T>* acc_scale,
+                                                  acc_t<T>* acc_bias) {
+  using A = acc_t<T>;
+  Pack<T, kPack> out;
+#pragma unroll
+  for (int e = 0; e < kPack; ++e) {
+    const A xhat = (to_acc(xp.v[e]) - mean) * rstd;
+    const A d = to_acc(dp.v[e]);
+    out.v[e] = from_acc<T>(rstd * (d * to_acc(sp.v[e]) - mg - xhat * mgx));
+    acc_scale[e] += d * xhat;
+    if (acc_bias) acc_bias[e] += d;
+  }
+  return out;
+}
+
+template <class T>
+__device__ __forceinline__ void row_stats(const BackwardArgs& a, int64_t row, acc_t<T>& mean, acc_t<T>& rstd) {
+  mean = a.mean ? static_cast<const acc_t<T>*>(a.mean)[row] : acc_t<T>(0);
+  rstd = static_cast<const acc_t<T>*>(a.rstd)[row];
+}
+
+// Teams of kWidth lanes per row, row and column accumulators in registers. At the end of a slot
+// the teams' accumulators are combined (shuffles inside a warp, then warps in order through
+// shared memory: nacc * cols values) and written as the slot's partial row.
+template <class T, int kPack, int kPacks, int kWidth>
+__global__ void __launch_bounds__(256) backward_team(BackwardArgs a, int64_t used) {
+  using A = acc_t<T>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  A* buf = reinterpret_cast<A*>(smem_raw);  // nacc * cols
+  const Shape s = a.shape;
+  const int nacc = num_acc(s.rms);
+  const int teams = blockDim.x / kWidth, team = threadIdx.x / kWidth, lane = threadIdx.x % kWidth;
+  const int warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+  const int64_t npacks = s.cols / kPack;
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  T* dx = static_cast<T*>(a.dx);
+  for (int64_t slot = blockIdx.x; slot < s.groups * used; slot += gridDim.x) {
+    const int64_t g = slot / used, j = slot % used;
+    int64_t begin, end;
+    slot_rows(s, g, j, used, &begin, &end);
+    const T* scale = static_cast<const T*>(a.scale) + g * s.cols;
+    A acc_s[kPacks][kPack], acc_b[kPacks][kPack];
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+      for (int e = 0; e < kPack; ++e) acc_s[k][e] = acc_b[k][e] = A(0);
+
+    for (int64_t base = begin; base < end; base += teams) {
+      const int64_t row = base + team;
+      const bool valid_row = row < end;
+      A mean = 0, rstd = 0;
+      if (valid_row) row_stats<T>(a, row, mean, rstd);
+      // scale is re-read (an L1 hit) rather than kept: registers bound how many rows are in flight.
+      Pack<T, kPack> xp[kPacks], dp[kPacks];
+      A sum_g = 0, sum_gx = 0;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int64_t p = lane + k * kWidth;
+        if (valid_row && p < npacks) {
+          xp[k] = load_pack<T, kPack>(x + row * s.cols + p * kPack);
+          dp[k] = load_pack<T, kPack>(dy + row * s.cols + p * kPack);
+          pack_sums<T, kPack>(xp[k], dp[k], load_pack<T, kPack>(scale + p * kPack), mean, rstd, sum_g, sum_gx);
+        }
+      }
+      const A mg = s.rms ? A(0) : team_sum<kWidth>(sum_g) / A(s.cols);
+      const A mgx = team_sum<kWidth>(sum_gx) / A(s.cols);
+      if (!valid_row) continue;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int64_t p = lane + k * kWidth;
+        if (p < npacks)
+          store_pack(dx + row * s.cols + p * kPack,
+                     pack_dx<T, kPack>(xp[k], dp[k], load_pack<T, kPack>(scale + p * kPack), mean, rstd, mg,
+                                       mgx, acc_s[k], acc_b[k]));
+      }
+    }
+    // Combine the teams of each warp (lanes l, l + kWidth, ... own the same columns) ...
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+      for (int e = 0; e < kPack; ++e)
+#pragma unroll
+        for (int offset = kWidth; offset < 32; offset *= 2) {
+          acc_s[k][e] += __shfl_xor_sync(0xffffffffu, acc_s[k][e], offset);
+          acc_b[k][e] += __shfl_xor_sync(0xffffffffu, acc_b[k][e], offset);
+        }
+    // ... then the warps, in order, into buf.
+    for (int w = 0; w < nwarps; ++w) {
+      if (warp == w && threadIdx.x % 32 < kWidth) {
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k) {
+          const int64_t p = lane + k * kWidth;
+          if (p < npacks) {
+#pragma unroll
+            for (int e = 0; e < kPack; ++e) {
+              const int64_t c = p * kPack + e;
+              buf[c] = (w == 0 ? A(0) : buf[c]) + acc_s[k][e];
+              if (nacc == 2) buf[s.cols + c] = (w == 0 ? A(0) : buf[s.cols + c]) + acc_b[k][e];
+            }
+          }
+        }
+      }
+      __syncthreads();
+    }
+    A* out = slot_ptr<T>(a, g, j);
+    for (int64_t c = threadIdx.x; c < nacc * s.cols; c += blockDim.x) out[c] = buf[c];
+    __syncthreads();  // buf is rewritten by the next slot
+  }
+}
+
+// One block per row. kCached: x and dy are cached in shared memory on the first pass and the
+// column accumulators live there too; otherwise x and dy are re-read from global memory and
+// the accumulators are the slot's workspace row itself. Each thread only touches the columns
+// it owns (packs threadIdx.x + k * blockDim.x), so only the row reductions need barriers.
+template <class T, int kPack, bool kCached>
+__global__ void __launch_bounds__(1024) backward_block(BackwardArgs a, int64_t used) {
+  using A = acc_t<T>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ A scratch[64];
+  const Shape s = a.shape;
+  const int nacc = num_acc(s.rms);
+  const int64_t npacks = s.cols / kPack;
+  // Shared layout when cached: [nacc * cols accumulators][cols x][cols dy].
+  A* smem_acc = reinterpret_cast<A*>(smem_raw);
+  T* xc = reinterpret_cast<T*>(smem_raw + sizeof(A) * nacc * s.cols);
+  T* dyc = xc + s.cols;
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  T* dx = static_cast<T*>(a.dx);
+  for (int64_t slot = blockIdx.x; slot < s.groups * used; slot += gridDim.x) {
+    const int64_t g = slot / used, j = slot % used;
+    int64_t begin, end;
+    slot_rows(s, g, j, used, &begin, &end);
+    const T* scale = static_cast<const T*>(a.scale) + g * s.cols;
+    A* out = slot_ptr<T>(a, g, j);
+    A* acc = kCached ? smem_acc : out;
+    for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x)
+      for (int e = 0; e < kPack; ++e) {
+        acc[p * kPack + e] = A(0);
+        if (nacc == 2) acc[s.cols + p * kPack + e] = A(0);
+      }
+    for (int64_t row = begin; row < end; ++row) {
+      A mean, rstd;
+      row_stats<T>(a, row, mean, rstd);
+      A sum_g = 0, sum_gx = 0;
+      for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x) {
+        const auto xp = load_pack<T, kPack>(x + row * s.cols + p * kPack);
+        const auto dp = load_pack<T, kPack>(dy + row * s.cols + p * kPack);
+        if (kCached) {
+          store_pack(xc + p * kPack, xp);
+          store_pack(dyc + p * kPack, dp);
+        }
+        pack_sums<T, kPack>(xp, dp, load_pack<T, kPack>(scale + p * kPack), mean, rstd, sum_g, sum_gx);
+      }
+      block_sum2(sum_g, sum_gx, scratch);
+      const A mg = s.rms ? A(0) : sum_g / A(s.cols), mgx = sum_gx / A(s.cols);
+      for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x) {
+        const T* xs = kCached ? xc : x + row * s.cols;
+        const T* dys = kCached ? dyc : dy + row * s.cols;
+        A as[kPack], ab[kPack];
+#pragma unroll
+        for (int e = 0; e < kPack; ++e) {
+          as[e] = acc[p * kPack + e];
+          ab[e] = nacc == 2 ? acc[s.cols + p * kPack + e] : A(0);
+        }
+        store_pack(dx + row * s.cols + p * kPack,
+                   pack_dx<T, kPack>(load_pack<T, kPack>(xs + p * kPack), load_pack<T, kPack>(dys + p * kPack),
+                                     load_pack<T, kPack>(scale + p * kPack), mean, rstd, mg, mgx, as, ab));
+#pragma unroll
+        for (int e = 0; e < kPack; ++e) {
+          acc[p * kPack + e] = as[e];
+          if (nacc == 2) acc[s.cols + p * kPack + e] = ab[e];
+        }
+      }
+    }
+    if (kCached) {
+      for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x)
+        for (int e = 0; e < kPack; ++e) {
+          out[p * kPack + e] = smem_acc[p * kPack + e];
+          if (nacc == 2) out[s.cols + p * kPack + e] = smem_acc[s.cols + p * kPack + e];
+        }
+    }
+  }
+}
+
+// dscale[g][c] (and dbias) = sum over the first `used` slots of group g, in slot order.
+// Block (32 columns) x (8 slot lanes): lane y adds slots y, y + 8, ...; the 8 lane sums are
+// then added in lane order, so the result does not depend on the launch. The 1-D grid walks
+// column tiles fastest, then (group, accumulator) pairs.
+template <class T>
+__global__ void __launch_bounds__(256) reduce_slots(BackwardArgs a, int64_t used) {
+  using A = acc_t<T>;
+  __shared__ A part[8][33];
+  const Shape s = a.shape;
+  const int nacc = num_acc(s.rms);
+  const int64_t tiles = (s.cols + 31) / 32;
+  const int64_t c = (blockIdx.x % tiles) * 32 + threadIdx.x;
+  const int64_t pair = blockIdx.x / tiles;
+  const int64_t g = pair / nacc;
+  const int which = static_cast<int>(pair % nacc);
+  A sum = 0;
+  if (c < s.cols)
+    for (int64_t j = threadIdx.y; j < used; j += 8) sum += slot_ptr<T>(a, g, j)[which * s.cols + c];
+  part[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < s.cols) {
+    A total = 0;
+#pragma unroll
+    for (int y = 0; y < 8; ++y) total += part[y][threadIdx.x];
+    T* out = static_cast<T*>(which == 0 ? a.dscale : a.dbias);
+    out[g * s.cols + c] = from_acc<T>(total);
+  }
+}
+
+}  // namespace jaxops::layer_norm

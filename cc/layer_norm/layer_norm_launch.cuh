@@ -1,0 +1,56 @@
+// Host-side helpers of the layer_norm launchers: path choice by row length, block sizes,
+// dynamic shared memory and occupancy.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "common/cuda_util.cuh"
+
+namespace jaxops::layer_norm {
+
+// Lanes per row for rows of `npacks` packs that fit one lane's single pack: a power of two.
+inline int team_width(int64_t npacks) {
+  int w = 1;
+  while (w < npacks && w < 32) w *= 2;
+  return w;
+}
+
+// Packs per lane (a power of two) for a full-warp team.
+inline int team_packs(int64_t npacks) {
+  int k = 1;
+  while (k * 32 < npacks) k *= 2;
+  return k;
+}
+
+// Threads for a block-per-row kernel: about `per_thread` packs per thread, 128..1024 threads.
+inline int block_threads(int64_t npacks, int per_thread) {
+  const int64_t t = (npacks + per_thread - 1) / per_thread;
+  return static_cast<int>(std::clamp<int64_t>((t + 31) / 32 * 32, 128, 1024));
+}
+
+// Raises the kernel's dynamic shared-memory limit (needed above 48 KB) and returns how many
+// of its blocks fit on one SM (at least 1).
+template <class Kernel>
+cudaError_t prepare(Kernel kernel, int threads, size_t smem, int* blocks_per_sm) {
+  if (smem > 48 * 1024) {
+    if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem));
+        err != cudaSuccess)
+      return err;
+  }
+  int n = 0;
+  if (cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem);
+      err != cudaSuccess)
+    return err;
+  *blocks_per_sm = std::max(n, 1);
+  return cudaSuccess;
+}
+
+// Shared memory a block may use besides `static_bytes` of static shared memory.
+inline size_t dynamic_smem_limit(const cuda::DeviceInfo& info, size_t static_bytes) {
+  return static_cast<size_t>(info.max_smem_optin) > static_bytes ? info.max_smem_optin - static_bytes : 0;
+}
+
+}  // namespace jaxops::layer_norm

@@ -1,0 +1,15 @@
+// CPU twin of the reduction kernels: the same operators (reduce_ops.h), pairwise order.
+#pragma once
+#include <cstdint>
+
+#include "common/dtype.h"
+#include "reduce/reduce_ops.h"
+
+namespace jaxops::reduce {
+
+// y[o, i] = op over r of x[o, r, i]; y is x's dtype (int32 for the arg ops).
+// Returns false for an unsupported dtype.
+bool reduce_cpu(OpKind kind, Dtype dtype, const void* x, void* y, int64_t outer, int64_t reduced,
+                int64_t inner);
+
+}  // namespace jaxops::reduce

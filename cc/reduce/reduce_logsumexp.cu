@@ -1,0 +1,6 @@
+// logsumexp kernels (one online (max, sum) pass).
+#include "reduce/reduce_kernels.cuh"
+
+namespace jaxops::reduce {
+JAXOPS_REDUCE_LAUNCHER(launch_logsumexp, OpKind::kLogSumExp, LogSumExpOp, LogSumExpOp)
+}  // namespace jaxops::reduce

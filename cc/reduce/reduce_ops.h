@@ -1,0 +1,133 @@
+// The reduction operators every kernel (CUDA and CPU twin) is built from. Each op is a
+// monoid over a small State: identity(), add(state, element, index), merge(a, b) and
+// finish(state, count). merge is commutative bit for bit (IEEE + and the NaN-aware max are),
+// and the arg ops break ties by index, so any fixed combining tree gives one answer.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#ifdef __CUDACC__
+#define JAXOPS_HD __host__ __device__ __forceinline__
+#else
+#define JAXOPS_HD inline
+#endif
+
+namespace jaxops::reduce {
+
+// Values of the `op` attribute of the jaxops_reduce FFI target (jaxops/_reductions.py: _OPS).
+enum class OpKind : int { kSum = 0, kMean = 1, kMax = 2, kMin = 3, kLogSumExp = 4, kArgMax = 5, kArgMin = 6 };
+
+inline bool is_arg(OpKind k) { return k == OpKind::kArgMax || k == OpKind::kArgMin; }
+
+template <class A> JAXOPS_HD A inf_of() { return std::numeric_limits<A>::infinity(); }
+template <class A> JAXOPS_HD A nan_of() { return std::numeric_limits<A>::quiet_NaN(); }
+template <class A> JAXOPS_HD bool is_nan(A v) { return v != v; }
+
+JAXOPS_HD float exp_acc(float v) { return expf(v); }
+JAXOPS_HD double exp_acc(double v) { return exp(v); }
+JAXOPS_HD float log_acc(float v) { return logf(v); }
+JAXOPS_HD double log_acc(double v) { return log(v); }
+
+// sum and mean: one running sum (the kernels supply the pairwise/tree structure).
+template <class A, bool kMean>
+struct SumOp {
+  using State = A;
+  static constexpr bool kIndex = false;
+  static JAXOPS_HD State identity() { return A(0); }
+  static JAXOPS_HD void add(State& s, A x, int64_t) { s += x; }
+  static JAXOPS_HD State merge(const State& a, const State& b) { return a + b; }
+  static JAXOPS_HD A finish(const State& s, int64_t count) {
+    return kMean ? s / static_cast<A>(count) : s;  // empty mean: 0/0 = NaN like jnp
+  }
+};
+
+// max / min propagating NaN like jnp.max (fmax would drop it).
+template <class A, bool kMax>
+struct ExtremumOp {
+  using State = A;
+  static constexpr bool kIndex = false;
+  static JAXOPS_HD State identity() { return kMax ? -inf_of<A>() : inf_of<A>(); }
+  static JAXOPS_HD State merge(const State& a, const State& b) {
+    return (is_nan(a) || (kMax ? a > b : a < b)) ? a : b;
+  }
+  static JAXOPS_HD void add(State& s, A x, int64_t) { s = merge(x, s); }
+  static JAXOPS_HD A finish(const State& s, int64_t) { return s; }
+};
+
+// logsumexp in one pass: a running (max, sum of exp(x - max)) pair, rescaled when the max
+// grows. Only a finite final max needs a meaningful sum: NaN, +inf and -inf (all -inf or
+// empty) are the answer themselves, which gives jax.nn.logsumexp's inf/NaN semantics.
+template <class A>
+struct LogSumExpState {
+  A m;
+  A s;
+};
+
+template <class A>
+struct LogSumExpOp {
+  using State = LogSumExpState<A>;
+  static constexpr bool kIndex = false;
+  static JAXOPS_HD State identity() { return {-inf_of<A>(), A(0)}; }
+  static JAXOPS_HD void add(State& st, A x, int64_t) {
+    if (x > st.m) {  // new max: rescale (exp(-inf) = 0 covers the first finite element)
+      st.s = st.s * exp_acc(st.m - x) + A(1);
+      st.m = x;
+    } else if (is_nan(x)) {
+      st.m = x;  // sticks: nothing compares greater than NaN
+    } else if (x != -inf_of<A>()) {  // -inf adds nothing (and -inf - -inf would be NaN)
+      st.s += exp_acc(x - st.m);
+    }
+  }
+  static JAXOPS_HD State merge(const State& a, const State& b) {
+    const A m = (is_nan(a.m) || a.m > b.m) ? a.m : b.m;
+    if (is_nan(m) || m == inf_of<A>() || m == -inf_of<A>()) return {m, A(0)};
+    return {m, a.s * exp_acc(a.m - m) + b.s * exp_acc(b.m - m)};
+  }
+  static JAXOPS_HD A finish(const State& st, int64_t) {
+    if (is_nan(st.m) || st.m == inf_of<A>() || st.m == -inf_of<A>()) return st.m;
+    return st.m + log_acc(st.s);
+  }
+};
+
+// argmax / argmin: (value, index); NaN beats everything, ties go to the lower index.
+template <class A>
+struct ArgState {
+  A v;
+  int32_t i;
+};
+
+template <class A, bool kMax>
+struct ArgOp {
+  using State = ArgState<A>;
+  static constexpr bool kIndex = true;
+  static JAXOPS_HD State identity() {
+    return {kMax ? -inf_of<A>() : inf_of<A>(), std::numeric_limits<int32_t>::max()};
+  }
+  // True when a should be chosen over b.
+  static JAXOPS_HD bool better(const State& a, const State& b) {
+    const bool an = is_nan(a.v), bn = is_nan(b.v);
+    if (an || bn) return an && (!bn || a.i < b.i);
+    if (a.v == b.v) return a.i < b.i;
+    return kMax ? a.v > b.v : a.v < b.v;
+  }
+  static JAXOPS_HD State merge(const State& a, const State& b) { return better(a, b) ? a : b; }
+  static JAXOPS_HD void add(State& s, A x, int64_t idx) {
+    const State c{x, static_cast<int32_t>(idx)};
+    if (better(c, s)) s = c;
+  }
+  static JAXOPS_HD int32_t finish(const State& s, int64_t) { return s.i; }
+};
+
+// Bytes of one State, as the host computes workspace sizes (static_asserts in the .cu check it).
+inline int64_t state_bytes(OpKind k, bool f64) {
+  const int64_t acc = f64 ? 8 : 4;
+  switch (k) {
+    case OpKind::kLogSumExp: return 2 * acc;
+    case OpKind::kArgMax:
+    case OpKind::kArgMin: return f64 ? 16 : 8;
+    default: return acc;
+  }
+}
+
+}  // namespace jaxops::reduce

@@ -1,0 +1,407 @@
+"""jaxops.batch_norm / batch_norm_inference against a pure-JAX reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxops
+from helpers import FLOAT_DTYPES, ON_GPU, gpu_only, normal, skip_f64_without_x64
+
+X64 = jax.config.jax_enable_x64
+F64 = jnp.float64 if X64 else jnp.float32
+
+
+def stats_dtype(dtype):
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def bshape(ndim, ax, c):
+    s = [1] * ndim
+    s[ax] = c
+    return s
+
+
+def ref_apply(x, scale, bias, mean, var, ax, eps, residual, activation):
+    return _ref_apply_acc(x.astype(stats_dtype(x.dtype)), scale, bias, mean, var, ax, eps, residual,
+                          activation).astype(x.dtype)
+
+
+def _ref_apply_acc(xs, scale, bias, mean, var, ax, eps, residual, activation):
+    sd = xs.dtype
+    b = bshape(xs.ndim, ax, xs.shape[ax])
+    z = ((xs - mean.astype(sd).reshape(b)) * jax.lax.rsqrt(var.astype(sd).reshape(b) + eps)
+         * scale.astype(sd).reshape(b) + bias.astype(sd).reshape(b))
+    if residual is not None:
+        z = z + residual.astype(sd)
+    if activation == "relu":
+        z = jax.nn.relu(z)
+    return z
+
+
+def ref_bn(x, scale, bias, axis=-1, epsilon=1e-5, residual=None, activation=None):
+    """Training-mode batch norm, pure JAX, float32 math (float64 for float64). x is converted
+    once, so its cotangent is summed in float32 before the single rounding to x's dtype."""
+    ax = axis % x.ndim
+    axes = tuple(i for i in range(x.ndim) if i != ax)
+    xs = x.astype(stats_dtype(x.dtype))
+    mean = jnp.mean(xs, axes)
+    var = jnp.mean(jnp.square(xs - mean.reshape(bshape(x.ndim, ax, x.shape[ax]))), axes)
+    y = _ref_apply_acc(xs, scale, bias, mean, var, ax, epsilon, residual, activation)
+    return y.astype(x.dtype), mean, var
+
+
+# dtype tolerances for normalized outputs (values of order 1): relative to the largest magnitude.
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 3e-3, jnp.float64: 1e-10}
+GTOL = {jnp.float32: 1e-4, jnp.bfloat16: 6e-2, jnp.float16: 1e-2, jnp.float64: 1e-9}
+
+
+def close(actual, expected, tol):
+    a = np.asarray(jnp.asarray(actual).astype(F64))
+    e = np.asarray(jnp.asarray(expected).astype(F64))
+    assert a.shape == e.shape, (a.shape, e.shape)
+    finite = np.isfinite(e)
+    scale = max(1.0, float(np.max(np.abs(e[finite]))) if finite.any() else 1.0)
+    np.testing.assert_allclose(a, e, rtol=tol, atol=tol * scale, equal_nan=True)
+
+
+def inputs(key, shape, axis, dtype, residual):
+    kx, ks, kb, kr = jax.random.split(key, 4)
+    c = shape[axis]
+    x = normal(kx, shape, dtype, scale=2.0) + jnp.asarray(0.5, dtype)
+    scale = normal(ks, (c,), jnp.float32) + 1.0
+    bias = normal(kb, (c,), jnp.float32)
+    res = normal(kr, shape, dtype) if residual else None
+    return x, scale, bias, res
+
+
+# (shape, axis): NHWC and NCHW, channel counts 1, 3, 17, 32, 64, tiny and larger spatial sizes
+# (the larger ones give the GPU column reduction many row blocks and both pack paths).
+LAYOUTS = [
+    ((2, 5, 5, 3), -1),
+    ((2, 3, 5, 5), 1),
+    ((4, 17), -1),
+    ((1, 1, 1, 1), -1),
+    ((3000, 1), -1),
+    ((6, 9, 9, 32), -1),
+    ((4, 16, 16, 64), 3),
+    ((3, 17, 6, 6), 1),
+]
+
+
+FUSIONS = ["plain", "relu", "add", "add_relu"]
+# Every layout with every fusion, the dtype rotating so each dtype meets every fusion twice
+# (the full product would take minutes on a 2-core CPU).
+CASES = [(shape, axis, fusion, FLOAT_DTYPES[(i + j) % len(FLOAT_DTYPES)])
+         for i, (shape, axis) in enumerate(LAYOUTS) for j, fusion in enumerate(FUSIONS)]
+
+
+@pytest.mark.parametrize("shape,axis,fusion,dtype", CASES)
+def test_forward_and_grads(key, shape, axis, fusion, dtype):
+    skip_f64_without_x64(dtype)
+    activation = "relu" if "relu" in fusion else None
+    x, scale, bias, res = inputs(key, shape, axis, dtype, "add" in fusion)
+    kw = dict(axis=axis, epsilon=1e-3, activation=activation)
+    y, mean, var = jaxops.batch_norm(x, scale, bias, residual=res, **kw)
+    yr, mr, vr = ref_bn(x, scale, bias, residual=res, **kw)
+    d = jnp.dtype(dtype).type
+    assert y.dtype == x.dtype and mean.dtype == stats_dtype(dtype) and mean.shape == (shape[axis],)
+    close(mean, mr, TOL[d] if d != jnp.float32 else 1e-5)
+    close(var, vr, TOL[d] if d != jnp.float32 else 1e-5)
+    close(y, yr, TOL[d])
+
+    # gradients through y, mean and var, w.r.t. x, scale, bias (and residual)
+    wy = normal(jax.random.fold_in(key, 1), shape, jnp.float32)
+    wm = normal(jax.random.fold_in(key, 2), mean.shape, jnp.float32)
+
+    def loss(fn, x, scale, bias, res):
+        y, m, v = fn(x, scale, bias, residual=res, **kw)
+        return jnp.sum(y.astype(jnp.float32) * wy) + jnp.sum(m * wm) + jnp.sum(v * wm[::-1])
+
+    argnums = (0, 1, 2, 3) if res is not None else (0, 1, 2)
+    g = jax.grad(loss, argnums=[a + 1 for a in argnums])(jaxops.batch_norm, x, scale, bias, res)
+    gr = jax.grad(loss, argnums=[a + 1 for a in argnums])(ref_bn, x, scale, bias, res)
+    for a, e in zip(g, gr):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        close(a, e, GTOL[d])
+
+
+def test_relu_mask_and_saved_residuals(key):
+    """BN+Add+ReLU keeps x, the 1-bit mask and O(C) statistics: never y nor the residual."""
+    shape = (4, 9, 9, 24)
+    x, scale, bias, res = inputs(key, shape, -1, jnp.float32, True)
+    f = lambda x, s, b, r: jaxops.batch_norm(x, s, b, residual=r, activation="relu")[0]
+    _, vjp_fn = jax.vjp(f, x, scale, bias, res)
+    leaves = [l for l in jax.tree_util.tree_leaves(vjp_fn) if hasattr(l, "nbytes")]
+    saved = sum(l.nbytes for l in leaves)
+    c = shape[-1]
+    assert saved <= x.nbytes + -(-x.size // 32) * 4 + 8 * 8 * c, [(l.dtype, l.shape) for l in leaves]
+    big = [l for l in leaves if l.size == x.size]
+    assert len(big) == 1 and np.array_equal(np.asarray(big[0]).reshape(shape), np.asarray(x))
+    (mask,) = [l for l in leaves if l.dtype == jnp.uint32]
+    z = np.asarray(ref_bn(x, scale, bias, residual=res)[0]) > 0
+    bits = np.packbits(np.concatenate([z.reshape(-1), np.zeros(-z.size % 32, bool)]), bitorder="little")
+    np.testing.assert_array_equal(np.asarray(mask), bits.view("<u4"))
+    # the pure-JAX version keeps several arrays of x's size
+    ref_saved = sum(l.nbytes for l in jax.tree_util.tree_leaves(
+        jax.vjp(lambda *a: ref_bn(*a[:3], residual=a[3], activation="relu")[0], x, scale, bias, res)[1])
+        if hasattr(l, "nbytes"))
+    assert ref_saved > 2 * saved
+
+
+def test_stability_large_mean():
+    """mean 1e4, std 0.1: a sum-of-squares variance would cancel to garbage in float32."""
+    key = jax.random.key(7)
+    x = (1e4 + 0.1 * jax.random.normal(key, (64, 33, 7), jnp.float32)).astype(jnp.float32)
+    scale, bias = jnp.ones(7), jnp.zeros(7)
+    y, mean, var = jaxops.batch_norm(x, scale, bias)
+    x64 = np.asarray(x, np.float64).reshape(-1, 7)
+    np.testing.assert_allclose(np.asarray(mean), x64.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(var), x64.var(0), rtol=1e-3)
+    yr = (x64 - x64.mean(0)) / np.sqrt(x64.var(0) + 1e-5)
+    # y inherits the float32 rounding of mean (ulp(1e4)/2 = 5e-4, i.e. 5e-3 of a std)
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, 7), yr, atol=1e-2)
+
+
+def test_values_exactly_zero_at_relu(key):
+    """Where the pre-activation is exactly 0, y is 0 and the gradient is 0 (like jax.nn.relu)."""
+    shape = (8, 6, 5)
+    x = normal(key, shape)
+    x = x.at[:, ::2].set(0.0)  # given mean 0 and bias 0 these normalize to exactly 0
+    scale, bias = normal(jax.random.fold_in(key, 1), (5,)) + 2.0, jnp.zeros(5)
+    mean, var = jnp.zeros(5), jnp.ones(5)
+    w = normal(jax.random.fold_in(key, 2), shape)
+
+    def loss(fn, x, s, b):
+        return jnp.sum(fn(x, s, b) * w)
+
+    ours = lambda x, s, b: jaxops.batch_norm_inference(x, s, b, mean, var, activation="relu")
+    ref = lambda x, s, b: ref_apply(x, s, b, mean, var, 2, 1e-5, None, "relu")
+    np.testing.assert_array_equal(np.asarray(ours(x, scale, bias))[:, ::2], 0)
+    g = jax.grad(loss, argnums=(1, 2, 3))(ours, x, scale, bias)
+    gr = jax.grad(loss, argnums=(1, 2, 3))(ref, x, scale, bias)
+    assert np.all(np.asarray(g[0])[:, ::2] == 0)
+    for a, e in zip(g, gr):
+        close(a, e, 1e-5)
+    # training mode with scale 0: every pre-activation is bias = 0
+    y, _, _ = jaxops.batch_norm(x, jnp.zeros(5), jnp.zeros(5), activation="relu")
+    assert np.all(np.asarray(y) == 0)
+    gx = jax.grad(lambda x: jnp.sum(jaxops.batch_norm(x, jnp.zeros(5), jnp.zeros(5), activation="relu")[0] * w))(x)
+    assert np.all(np.asarray(gx) == 0)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("fusion", ["plain", "add_relu"])
+def test_inference(key, fusion, dtype):
+    skip_f64_without_x64(dtype)
+    shape, axis = (3, 7, 6, 19), -1
+    x, scale, bias, res = inputs(key, shape, axis, dtype, "add" in fusion)
+    activation = "relu" if "relu" in fusion else None
+    mean = normal(jax.random.fold_in(key, 5), (19,))
+    var = jnp.abs(normal(jax.random.fold_in(key, 6), (19,))) + 0.5
+    y = jaxops.batch_norm_inference(x, scale, bias, mean, var, axis=axis, residual=res, activation=activation)
+    yr = ref_apply(x, scale, bias, mean, var, 3, 1e-5, res, activation)
+    d = jnp.dtype(dtype).type
+    close(y, yr, TOL[d])
+    w = normal(jax.random.fold_in(key, 7), shape)
+    argnums = (0, 1, 2, 3, 4) + ((5,) if res is not None else ())
+
+    def loss(fn, *a):
+        return jnp.sum(fn(*a).astype(jnp.float32) * w)
+
+    ours = lambda x, s, b, m, v, r=None: jaxops.batch_norm_inference(x, s, b, m, v, axis=axis, residual=r,
+                                                                       activation=activation)
+    ref = lambda x, s, b, m, v, r=None: ref_apply(x, s, b, m, v, 3, 1e-5, r, activation)
+    args = (x, scale, bias, mean, var) + ((res,) if res is not None else ())
+    g = jax.grad(lambda *a: loss(ours, *a), argnums=argnums)(*args)
+    gr = jax.grad(lambda *a: loss(ref, *a), argnums=argnums)(*args)
+    for a, e in zip(g, gr):
+        close(a, e, GTOL[d])
+
+
+def away_from_kink(key, shape, axis, residual):
+    """Inputs whose relu pre-activations are all at least 0.02 from 0 (finite differences stay valid)."""
+    for i in range(50):
+        x, scale, bias, res = inputs(jax.random.fold_in(key, i), shape, axis, F64, residual)
+        scale, bias = scale.astype(F64), bias.astype(F64)
+        z = ref_bn(x, scale, bias, axis=axis, residual=res)[0]
+        if float(jnp.min(jnp.abs(z))) > 0.02:
+            return x, scale, bias, res
+    raise AssertionError("no sample away from the kink")
+
+
+@pytest.mark.parametrize("fusion", ["plain", "add_relu"])
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_check_grads(key, fusion, axis):
+    shape = (3, 4, 2, 3)
+    x, scale, bias, res = away_from_kink(key, shape, axis, "add" in fusion)
+    act = "relu" if "relu" in fusion else None
+    eps = None if X64 else 1e-2
+
+    def f(x, s, b, *r):
+        y, m, v = jaxops.batch_norm(x, s, b, axis=axis, residual=r[0] if r else None, activation=act)
+        return y, m, v
+
+    args = (x, scale, bias) + ((res,) if res is not None else ())
+    check_grads(f, args, order=1, modes=("rev",), eps=eps, atol=None if X64 else 5e-2, rtol=None if X64 else 5e-2)
+    mean, var = jnp.linspace(-0.2, 0.3, shape[axis]).astype(F64), jnp.linspace(0.5, 1.5, shape[axis]).astype(F64)
+    g = lambda x, s, b, m, v, *r: jaxops.batch_norm_inference(x, s, b, m, v, axis=axis,
+                                                               residual=r[0] if r else None, activation=None)
+    check_grads(g, (x, scale, bias, mean, var) + args[3:], order=1, modes=("rev",), eps=eps,
+                atol=None if X64 else 5e-2, rtol=None if X64 else 5e-2)
+
+
+def test_jit(key):
+    x, scale, bias, res = inputs(key, (4, 6, 6, 8), -1, jnp.float32, True)
+    f = jax.jit(lambda *a: jaxops.batch_norm(*a[:3], residual=a[3], activation="relu"))
+    for a, e in zip(f(x, scale, bias, res), ref_bn(x, scale, bias, residual=res, activation="relu")):
+        close(a, e, 2e-5)
+
+
+@pytest.mark.parametrize("in_axes", [0, 2])
+def test_vmap_without_axis_name_is_per_example(key, in_axes):
+    x, scale, bias, res = inputs(key, (3, 10, 4, 5), -1, jnp.float32, True)
+    f = jax.vmap(lambda x, r: jaxops.batch_norm(x, scale, bias, residual=r, activation="relu"), in_axes)
+    g = jax.vmap(lambda x, r: ref_bn(x, scale, bias, residual=r, activation="relu"), in_axes)
+    for a, e in zip(f(x, res), g(x, res)):
+        close(a, e, 2e-5)
+    w = normal(jax.random.fold_in(key, 3), f(x, res)[0].shape)
+    ga = jax.grad(lambda x, s: jnp.sum(jax.vmap(lambda x, r: jaxops.batch_norm(x, s, bias, residual=r, activation="relu")[0],
+                                                in_axes)(x, res) * w), argnums=(0, 1))(x, scale)
+    ge = jax.grad(lambda x, s: jnp.sum(jax.vmap(lambda x, r: ref_bn(x, s, bias, residual=r, activation="relu")[0],
+                                                in_axes)(x, res) * w), argnums=(0, 1))(x, scale)
+    for a, e in zip(ga, ge):
+        close(a, e, 1e-4)
+
+
+def test_vmap_batched_params(key):
+    x = normal(key, (4, 7, 3))
+    s = normal(jax.random.fold_in(key, 1), (4, 3)) + 1
+    b = normal(jax.random.fold_in(key, 2), (4, 3))
+    for a, e in zip(jax.vmap(lambda x, s, b: jaxops.batch_norm(x, s, b))(x, s, b),
+                    jax.vmap(lambda x, s, b: ref_bn(x, s, b))(x, s, b)):
+        close(a, e, 2e-5)
+
+
+@pytest.mark.parametrize("in_axes", [0, 1])
+def test_axis_name_matches_whole_batch(key, in_axes):
+    """Statistics over a vmapped axis (flax convention) equal those over the whole batch, also
+    when each shard has a very different mean (the merge must be stable)."""
+    shape = (4, 6, 5, 3)
+    x, scale, bias, res = inputs(key, shape, -1, jnp.float32, True)
+    x = x + 100.0 * jnp.arange(4, dtype=jnp.float32)[:, None, None, None]  # shards differ by 100s
+    xm = jnp.moveaxis(x, 0, in_axes)
+    rm = jnp.moveaxis(res, 0, in_axes)
+    f = lambda x, r, s: jaxops.batch_norm(x, s, bias, residual=r, activation="relu", axis_name="b")
+    y, mean, var = jax.vmap(f, in_axes=(in_axes, in_axes, None), out_axes=(0, 0, 0), axis_name="b")(xm, rm, scale)
+    yr, mr, vr = ref_bn(x, scale, bias, residual=res, activation="relu")
+    close(y, yr, 1e-4)
+    for i in range(4):
+        close(mean[i], mr, 1e-6)
+        close(var[i], vr, 1e-5)
+    w = normal(jax.random.fold_in(key, 9), shape)
+    wm = normal(jax.random.fold_in(key, 10), (3,))
+
+    def loss_ours(x, r, s):
+        y, m, v = jax.vmap(f, in_axes=(in_axes, in_axes, None), out_axes=(0, 0, 0), axis_name="b")(x, r, s)
+        return jnp.sum(y * w) + jnp.sum(m * wm) + jnp.sum(v * wm[::-1])
+
+    def loss_ref(x, r, s):
+        y, m, v = ref_bn(jnp.moveaxis(x, in_axes, 0), s, bias, residual=jnp.moveaxis(r, in_axes, 0), activation="relu")
+        return jnp.sum(y * w) + 4 * jnp.sum(m * wm) + 4 * jnp.sum(v * wm[::-1])
+
+    g = jax.grad(loss_ours, argnums=(0, 1, 2))(xm, rm, scale)
+    gr = jax.grad(loss_ref, argnums=(0, 1, 2))(xm, rm, scale)
+    for a, e in zip(g, gr):
+        close(a, e, 1e-4)
+    # grad taken inside the vmap (per-shard losses) must agree too
+    gin = jax.vmap(jax.grad(lambda x, r: jnp.sum(f(x, r, scale)[0] * 1.0)), in_axes=(in_axes, in_axes),
+                   axis_name="b")(xm, rm)
+    gin_ref = jax.grad(lambda x: jnp.sum(ref_bn(x, scale, bias, residual=res, activation="relu")[0]))(x)
+    close(gin, gin_ref, 1e-4)
+
+
+def test_nested_axis_names(key):
+    x = normal(key, (2, 3, 5, 4))
+    scale, bias = jnp.ones(4), jnp.zeros(4)
+    f = lambda x: jaxops.batch_norm(x, scale, bias, axis_name=("i", "j"))
+    y, mean, var = jax.vmap(jax.vmap(f, axis_name="j"), axis_name="i")(x)
+    yr, mr, vr = ref_bn(x, scale, bias)
+    close(y, yr, 1e-5)
+    close(mean[1, 2], mr, 1e-6)
+    close(var[0, 1], vr, 1e-5)
+
+
+def test_nan_and_inf_stay_in_their_channel(key):
+    x = np.array(normal(key, (6, 5, 4)))
+    x[2, 3, 1] = np.nan
+    x[0, 0, 2] = np.inf
+    x = jnp.asarray(x)
+    scale, bias = jnp.ones(4), jnp.zeros(4)
+    for a, e in zip(jaxops.batch_norm(x, scale, bias, activation="relu"), ref_bn(x, scale, bias, activation="relu")):
+        close(a, e, 1e-5)
+    y = np.asarray(jaxops.batch_norm(x, scale, bias)[0])
+    assert np.isfinite(y[..., [0, 3]]).all() and np.isnan(y[..., 1]).all()
+
+
+def test_empty():
+    y, m, v = jaxops.batch_norm(jnp.zeros((0, 3)), jnp.ones(3), jnp.zeros(3))
+    assert y.shape == (0, 3) and m.shape == (3,) and np.isnan(np.asarray(m)).all()
+    y, m, v = jaxops.batch_norm(jnp.zeros((4, 0)), jnp.ones(0), jnp.zeros(0), activation="relu")
+    assert y.shape == (4, 0) and m.shape == (0,)
+    assert jaxops.batch_norm_inference(jnp.zeros((0, 2)), jnp.ones(2), jnp.zeros(2), jnp.zeros(2),
+                                       jnp.ones(2)).shape == (0, 2)
+
+
+def test_deterministic(key):
+    x, scale, bias, res = inputs(key, (16, 32, 32, 24), -1, jnp.float32, True)
+    f = jax.jit(jax.value_and_grad(lambda x: jnp.sum(jnp.sin(
+        jaxops.batch_norm(x, scale, bias, residual=res, activation="relu")[0]))))
+    a, b = f(x), f(x)
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+    np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+
+
+def test_bad_input():
+    x = jnp.ones((2, 3, 4))
+    s, b = jnp.ones(4), jnp.zeros(4)
+    with pytest.raises(ValueError, match=r"jaxops\.batch_norm: scale must have shape \(4,\).*\(5,\)"):
+        jaxops.batch_norm(x, jnp.ones(5), b)
+    with pytest.raises(ValueError, match=r"jaxops\.batch_norm: bias"):
+        jaxops.batch_norm(x, s, jnp.zeros(3))
+    with pytest.raises(ValueError, match=r"jaxops\.batch_norm: activation must be None or 'relu', got 'gelu'"):
+        jaxops.batch_norm(x, s, b, activation="gelu")
+    with pytest.raises(ValueError, match=r"jaxops\.batch_norm: residual must have x's shape"):
+        jaxops.batch_norm(x, s, b, residual=jnp.ones((2, 3, 5)))
+    with pytest.raises(TypeError, match=r"jaxops\.batch_norm: residual must have x's dtype"):
+        jaxops.batch_norm(x, s, b, residual=jnp.ones((2, 3, 4), jnp.bfloat16))
+    with pytest.raises(TypeError, match=r"jaxops\.batch_norm: x must be"):
+        jaxops.batch_norm(jnp.ones((2, 4), jnp.int32), s, b)
+    with pytest.raises(ValueError, match=r"jaxops\.batch_norm: axis 3 is out of bounds"):
+        jaxops.batch_norm(x, s, b, axis=3)
+    with pytest.raises(ValueError, match=r"jaxops\.batch_norm: epsilon"):
+        jaxops.batch_norm(x, s, b, epsilon=-1.0)
+    with pytest.raises(ValueError, match=r"jaxops\.batch_norm_inference: var must have shape \(4,\)"):
+        jaxops.batch_norm_inference(x, s, b, jnp.zeros(4), jnp.ones(3))
+    with pytest.raises(ValueError, match=r"jaxops\.batch_norm_inference: activation"):
+        jaxops.batch_norm_inference(x, s, b, jnp.zeros(4), jnp.ones(4), activation="swish")
+    with pytest.raises(ValueError, match=r"jaxops\.batch_norm: x must have at least one dimension"):
+        jaxops.batch_norm(jnp.ones(()), s, b)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_resnet_shape(key, dtype):
+    shape = (16, 112, 112, 32)
+    x, scale, bias, res = inputs(key, shape, -1, dtype, True)
+    out = jaxops.batch_norm(x, scale, bias, residual=res, activation="relu")
+    ref = ref_bn(x, scale, bias, residual=res, activation="relu")
+    d = jnp.dtype(dtype).type
+    for a, e in zip(out, ref):
+        close(a, e, TOL[d] if d != jnp.float32 else 1e-4)
+    w = normal(jax.random.fold_in(key, 4), shape, dtype)
+    loss = lambda fn: lambda x, s, r: jnp.sum(fn(x, s, bias, residual=r, activation="relu")[0].astype(jnp.float32) * w)
+    g = jax.grad(loss(jaxops.batch_norm), argnums=(0, 1, 2))(x, scale, res)
+    gr = jax.grad(loss(ref_bn), argnums=(0, 1, 2))(x, scale, res)
+    for a, e in zip(g, gr):
+        close(a, e, GTOL[d] if d != jnp.float32 else 1e-3)

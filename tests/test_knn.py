@@ -1,0 +1,378 @@
+"""jaxops.knn / knn_classify against a float64 NumPy brute force (stable, lexicographic order)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import gpu_only
+
+import jaxops
+from jaxops import _knn as knn_module
+
+FLOATS = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64]
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def exact_sq_dists(q, r):
+    """float64 squared distances (q, r as given, upcast exactly), NaN where features are NaN/inf."""
+    q = np.asarray(jnp.asarray(q).astype(jnp.float64))
+    r = np.asarray(jnp.asarray(r).astype(jnp.float64))
+    if q.shape[0] * r.shape[0] * max(q.shape[1], 1) <= 4_000_000:
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = ((q[:, None, :] - r[None, :, :]) ** 2).sum(-1)
+    else:  # exact enough in float64 for float32 data
+        d = (q * q).sum(1)[:, None] + (r * r).sum(1)[None, :] - 2 * q @ r.T
+        d = np.maximum(d, 0)
+    # Rows with inf/NaN features follow the GEMM expansion jaxops documents: inf - inf = NaN.
+    bad_q = ~np.isfinite(q).all(1)
+    bad_r = ~np.isfinite(r).all(1)
+    if bad_q.any() or bad_r.any():
+        with np.errstate(invalid="ignore", over="ignore"):
+            expansion = (q * q).sum(1)[:, None] + (r * r).sum(1)[None, :] - 2 * q @ r.T
+            expansion = np.where(expansion > 0, expansion, np.where(np.isnan(expansion), np.nan, 0))
+        bad = bad_q[:, None] | bad_r[None, :]
+        d = np.where(bad, expansion, d)
+    return d
+
+
+def ref_order(d):
+    """Row-wise order: ascending distance, NaN last, ties to the lower index (stable)."""
+    nan = np.isnan(d)
+    return np.lexsort((np.broadcast_to(np.arange(d.shape[1]), d.shape), np.where(nan, 0, d), nan),
+                      axis=-1)
+
+
+def ref_knn(q, r, k):
+    d = exact_sq_dists(q, r)
+    order = ref_order(d)[:, :k]
+    return np.take_along_axis(d, order, 1), order, d
+
+
+def scale_tol(q, r):
+    """Per-row tolerance of the float32 GEMM expansion: a few ulps of ||q||^2 + max ||r||^2."""
+    q = np.asarray(jnp.asarray(q).astype(jnp.float64))
+    r = np.asarray(jnp.asarray(r).astype(jnp.float64))
+    qn = np.nan_to_num((q * q).sum(1), nan=0, posinf=0)
+    rn = np.nan_to_num((r * r).sum(1), nan=0, posinf=0)
+    return 4e-6 * (qn + (rn.max() if rn.size else 0))[:, None] + 1e-30
+
+
+def check_knn(q, r, k, dists, idx, exact=False):
+    dists, idx = np.asarray(dists), np.asarray(idx)
+    m, n = q.shape[0], r.shape[0]
+    assert dists.shape == (m, k) and idx.shape == (m, k)
+    assert dists.dtype == np.float32 and idx.dtype == np.int32
+    rd, ri, full = ref_knn(q, r, k)
+    if exact:
+        np.testing.assert_array_equal(idx, ri)
+        np.testing.assert_array_equal(dists, rd.astype(np.float32))
+        return
+    assert ((idx >= 0) & (idx < n)).all()
+    assert all(len(set(row)) == k for row in idx.tolist()), "repeated neighbour"
+    tol = scale_tol(q, r)
+    true_of_returned = np.take_along_axis(full, idx, 1)
+    np.testing.assert_array_equal(np.isnan(dists), np.isnan(true_of_returned))
+    fin = ~np.isnan(dists)
+    with np.errstate(invalid="ignore"):
+        near = (np.abs(dists - true_of_returned) <= tol) | (dists == true_of_returned)
+    assert near[fin].all()
+    # The returned list is sorted by its own (distance, index) order, NaN last.
+    assert _sorted_with_index_ties(dists, idx)
+    # Same neighbours as the reference except where distances tie within tolerance.
+    differ = idx != ri
+    both_nan = np.isnan(true_of_returned) & np.isnan(rd)
+    with np.errstate(invalid="ignore"):
+        close = (np.abs(true_of_returned - rd) <= tol) | (true_of_returned == rd)
+    assert (~differ | both_nan | close).all()
+
+
+def _sorted_with_index_ties(dists, idx):
+    d = np.where(np.isnan(dists), np.inf, dists)
+    nan = np.isnan(dists)
+    ok = (d[:, 1:] >= d[:, :-1]) | nan[:, 1:]
+    ok &= ~(nan[:, :-1] & ~nan[:, 1:])
+    tie = (dists[:, 1:] == dists[:, :-1]) | (nan[:, 1:] & nan[:, :-1])
+    ok &= ~tie | (idx[:, 1:] > idx[:, :-1])
+    return bool(ok.all())
+
+
+def ref_vote(labels, idx, num_classes):
+    lab = np.asarray(labels)[np.asarray(idx)]
+    out = []
+    for row in lab:
+        row = row[(row >= 0) & (row < num_classes)]
+        out.append(np.bincount(row, minlength=num_classes).argmax() if row.size else 0)
+    return np.array(out, np.int32)
+
+
+def data(key, m, n, d, dtype=jnp.float32):
+    kq, kr = jax.random.split(key)
+    return (jax.random.normal(kq, (m, d), jnp.float32).astype(dtype),
+            jax.random.normal(kr, (n, d), jnp.float32).astype(dtype))
+
+
+def small_ints(key, shape, high=4):
+    """Integer-valued features: exact in every dtype, so distances are exact and tie often."""
+    return jax.random.randint(key, shape, 0, high).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- correctness
+
+SHAPES = [  # (m, n, d, k): ones, k = n, odd sizes, k > 1024, k > 2048 (sort path), few/many rows
+    (1, 1, 1, 1),
+    (1, 5, 3, 5),
+    (7, 33, 5, 4),
+    (33, 257, 17, 16),
+    (130, 3001, 24, 64),
+    (5, 9000, 6, 1500),
+    (3, 20000, 8, 100),     # few queries: references split across lists
+    (9, 2600, 5, 2600),     # k = n > 2048: XLA-sort merge path
+]
+
+
+@pytest.mark.parametrize("m,n,d,k", SHAPES)
+def test_matches_reference(key, m, n, d, k):
+    q, r = data(key, m, n, d)
+    dists, idx = jaxops.knn(q, r, k)
+    check_knn(q, r, k, dists, idx)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_dtypes(key, dtype):
+    q, r = data(key, 21, 700, 13, dtype)
+    dists, idx = jaxops.knn(q, r, 9)
+    check_knn(q, r, 9, dists, idx)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_integer_features_exact_with_ties(key, dtype):
+    """Integer features: exact distances, many exact ties, which must go to the lower index."""
+    kq, kr = jax.random.split(key)
+    q, r = small_ints(kq, (40, 6)).astype(dtype), small_ints(kr, (1500, 6)).astype(dtype)
+    for k in (1, 7, 300):
+        dists, idx = jaxops.knn(q, r, k)
+        check_knn(q, r, k, dists, idx, exact=True)
+
+
+def test_tiled_paths(key, monkeypatch):
+    """Tiny tiles force the scan over reference tiles, query tiles, splits and padding."""
+    monkeypatch.setattr(knn_module, "_TILE_ELEMS", 1 << 14)
+    monkeypatch.setattr(knn_module, "_MIN_TILE_COLS", 128)
+    monkeypatch.setattr(knn_module, "_MIN_SPLIT_COLS", 256)
+    kq, kr = jax.random.split(key)
+    for m, n, k in [(300, 1001, 5), (3, 5000, 40), (50, 777, 300)]:
+        q, r = small_ints(kq, (m, 5)), small_ints(kr, (n, 5))
+        dists, idx = jaxops.knn(q, r, k)
+        check_knn(q, r, k, dists, idx, exact=True)
+    assert knn_module._plan(300, 1001, 5, True)[3] > 1  # the scan really ran
+
+
+def test_digits_exact_and_vote():
+    datasets = pytest.importorskip("sklearn.datasets")
+    x, y = datasets.load_digits(return_X_y=True)
+    refs, queries = jnp.asarray(x[:1500], jnp.float32), jnp.asarray(x[1500:], jnp.float32)
+    labels = jnp.asarray(y[:1500], jnp.int32)
+    for k in (1, 5, 25):
+        dists, idx = jax.jit(jaxops.knn, static_argnums=2)(queries, refs, k)
+        check_knn(queries, refs, k, dists, idx, exact=True)
+        pred = jaxops.knn_classify(queries, refs, labels, k, 10)
+        np.testing.assert_array_equal(np.asarray(pred), ref_vote(labels, idx, 10))
+    assert (np.asarray(pred) == y[1500:]).mean() > 0.9
+
+
+def test_nan_and_inf_rank_last(key):
+    q, r = data(key, 9, 200, 4)
+    q = q.at[2].set(jnp.nan)                 # every distance NaN: indices 0..k-1
+    r = r.at[jnp.array([3, 50, 51])].set(jnp.nan)
+    r = r.at[7, 1].set(jnp.inf)
+    for k in (5, 200):
+        dists, idx = jaxops.knn(q, r, k)
+        check_knn(q, r, k, dists, idx)
+        d, i = np.asarray(dists), np.asarray(idx)
+        np.testing.assert_array_equal(i[2], np.arange(k))
+        assert np.isnan(d[2]).all()
+        if k == 200:  # the NaN (and inf) references close every other row
+            other = np.delete(np.arange(9), 2)
+            assert np.isin(i[other, -3:], [3, 7, 50, 51]).all()
+            assert np.isnan(d[other, -3:]).all() and not np.isnan(d[other, :-4]).any()
+
+
+def test_empty_and_zero_features(key):
+    q, r = data(key, 0, 10, 3)
+    dists, idx = jaxops.knn(q, r, 4)
+    assert dists.shape == (0, 4) and idx.shape == (0, 4)
+    dists, idx = jaxops.knn(jnp.ones((3, 0)), jnp.ones((6, 0)), 4)
+    np.testing.assert_array_equal(np.asarray(idx), np.tile(np.arange(4), (3, 1)))
+    np.testing.assert_array_equal(np.asarray(dists), 0)
+    assert jaxops.knn_classify(jnp.ones((0, 2)), jnp.ones((4, 2)), jnp.arange(4), 2, 3).shape == (0,)
+
+
+# ----------------------------------------------------------------------------- transformations
+
+
+def test_jit_matches_eager(key):
+    q, r = data(key, 17, 400, 7)
+    eager = jaxops.knn(q, r, 11)
+    jitted = jax.jit(jaxops.knn, static_argnums=2)(q, r, 11)
+    for a, b in zip(eager, jitted):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0), (0, None), (None, 0), (1, 0)])
+def test_vmap(key, in_axes):
+    kq, kr = jax.random.split(key)
+    b = 3
+    qs = small_ints(kq, (b, 11, 4)) if in_axes[0] == 0 else small_ints(kq, (11, 4))
+    if in_axes[0] == 1:
+        qs = small_ints(kq, (11, b, 4))
+    rs = small_ints(kr, (b, 300, 4)) if in_axes[1] == 0 else small_ints(kr, (300, 4))
+    dists, idx = jax.vmap(lambda q, r: jaxops.knn(q, r, 6), in_axes=in_axes)(qs, rs)
+    assert dists.shape == (b, 11, 6)
+    for j in range(b):
+        q = qs[j] if in_axes[0] == 0 else (qs[:, j] if in_axes[0] == 1 else qs)
+        r = rs[j] if in_axes[1] == 0 else rs
+        check_knn(q, r, 6, dists[j], idx[j], exact=True)
+
+
+def test_nested_vmap_and_classify_vmap(key):
+    kq, kr, kl = jax.random.split(key, 3)
+    qs, rs = small_ints(kq, (2, 3, 5, 4)), small_ints(kr, (2, 3, 90, 4))
+    labels = jax.random.randint(kl, (2, 3, 90), -1, 5)
+    f = jax.vmap(jax.vmap(lambda q, r: jaxops.knn(q, r, 8)))
+    g = jax.jit(jax.vmap(jax.vmap(lambda q, r, l: jaxops.knn_classify(q, r, l, 8, 4))))
+    dists, idx = f(qs, rs)
+    pred = g(qs, rs, labels)
+    for a in range(2):
+        for b in range(3):
+            check_knn(qs[a, b], rs[a, b], 8, dists[a, b], idx[a, b], exact=True)
+            np.testing.assert_array_equal(np.asarray(pred[a, b]),
+                                          ref_vote(labels[a, b], idx[a, b], 4))
+
+
+def test_not_differentiable(key):
+    q, r = data(key, 4, 20, 3)
+    with pytest.raises(TypeError, match="not differentiable"):
+        jax.grad(lambda q: jaxops.knn(q, r, 3)[0].sum())(q)
+    with pytest.raises(TypeError, match="not differentiable"):
+        jax.grad(lambda r: jaxops.knn(q, r, 3)[0].sum())(r)
+    # stop_gradient is the documented way to use it inside a differentiated function.
+    g = jax.grad(lambda q: jaxops.knn(jax.lax.stop_gradient(q), r, 3)[0].sum() + q.sum())(q)
+    np.testing.assert_array_equal(np.asarray(g), 1)
+
+
+# ----------------------------------------------------------------------------- classify
+
+
+def test_classify_vote_rules(key):
+    kq, kr, kl = jax.random.split(key, 3)
+    q, r = data(key, 60, 500, 5)
+    labels = jax.random.randint(kl, (500,), -2, 6)  # -2, -1 and 4, 5 are outside [0, 4)
+    for k in (1, 4, 64):
+        _, idx = jaxops.knn(q, r, k)
+        pred = jaxops.knn_classify(q, r, labels, k, 4)
+        assert pred.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(pred), ref_vote(labels, idx, 4))
+
+
+def test_classify_tie_goes_to_smallest_label():
+    refs = jnp.array([[0.0], [1.0], [2.0], [3.0], [10.0]])
+    q = jnp.array([[1.5]])
+    # neighbours (ascending): 1, 2, 0, 3 with labels 3, 1, 1, 3 -> tie 2-2 -> label 1
+    labels = jnp.array([1, 3, 1, 3, 0])
+    assert int(jaxops.knn_classify(q, refs, labels, 4, 4)[0]) == 1
+    # with invalid labels only, every class ties at zero votes -> 0
+    assert int(jaxops.knn_classify(q, refs, jnp.array([9, 9, 9, 9, 9]), 2, 4)[0]) == 0
+    # int64 labels beyond int32 are invalid, not wrapped
+    if jax.config.jax_enable_x64:
+        big = jnp.array([2**33 + 1, 2, 2**33 + 1, 2, 0], jnp.int64)
+        assert int(jaxops.knn_classify(q, refs, big, 3, 4)[0]) == 2
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_bad_inputs():
+    q, r = jnp.ones((3, 4)), jnp.ones((5, 4))
+    cases = [
+        ((q, r, 0), ValueError, "k must satisfy"),
+        ((q, r, 6), ValueError, "k must satisfy"),
+        ((q, r, 2.0), TypeError, "k must be a Python int"),
+        ((q, r, True), TypeError, "k must be a Python int"),
+        ((q, jnp.ones((5, 3)), 2), ValueError, "features"),
+        ((jnp.ones(4), r, 2), ValueError, "queries must have shape"),
+        ((q, jnp.ones((1, 5, 4)), 2), ValueError, "refs must have shape"),
+        ((q.astype(jnp.int32), r, 2), TypeError, "queries must be float"),
+        ((q, r.astype(jnp.int32), 2), TypeError, "refs must be float"),
+    ]
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match=msg) as info:
+            jaxops.knn(*args)
+        assert "jaxops.knn" in str(info.value)
+    with pytest.raises(TypeError, match="labels must be an integer"):
+        jaxops.knn_classify(q, r, jnp.ones(5), 2, 3)
+    with pytest.raises(ValueError, match="labels must have shape"):
+        jaxops.knn_classify(q, r, jnp.ones(4, jnp.int32), 2, 3)
+    with pytest.raises(ValueError, match="num_classes"):
+        jaxops.knn_classify(q, r, jnp.ones(5, jnp.int32), 2, 0)
+    with pytest.raises(ValueError, match="jaxops.knn_classify: k must"):
+        jaxops.knn_classify(q, r, jnp.ones(5, jnp.int32), 9, 3)
+    with pytest.raises(TypeError, match="jaxops.knn: precision"):
+        jaxops.knn(q, r, 2, precision=3)
+    with pytest.raises(ValueError, match="jaxops.knn: unknown precision"):
+        jaxops.knn(q, r, 2, precision="bogus")
+
+
+def test_precision_argument(key):
+    q, r = data(key, 9, 300, 7)
+    for p in ("highest", jax.lax.Precision.HIGHEST, jax.lax.DotAlgorithmPreset.F32_F32_F32):
+        dists, idx = jaxops.knn(q, r, 5, precision=p)
+        check_knn(q, r, 5, dists, idx)
+
+
+@gpu_only
+def test_gpu_tf32x3_precision(key):
+    """The fast, nearly-float32 preset the benchmark reports for the 10x target."""
+    q, r = data(key, 1200, 32768, 256)
+    dists, idx = jaxops.knn(q[:64], r, 25, precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+    check_knn(q[:64], r, 25, dists, idx)
+
+
+def test_handler_validates_again():
+    """The FFI handler checks shapes itself and names the op."""
+    f32 = jax.ShapeDtypeStruct
+    call = jax.ffi.ffi_call("jaxops_knn_select", (f32((2, 3), jnp.float32), f32((2, 3), jnp.int32)))
+    tile, qn, rn = jnp.ones((2, 8)), jnp.ones(2), jnp.ones(7)  # rn has the wrong length
+    with pytest.raises(Exception, match="jaxops.knn"):
+        jax.block_until_ready(call(tile, qn, rn, jnp.ones((2, 3)), jnp.zeros((2, 3), jnp.int32),
+                                   jnp.zeros((), jnp.int32), n=np.int64(8), mode=np.int64(0)))
+
+
+# ----------------------------------------------------------------------------- GPU paths
+
+
+@gpu_only
+@pytest.mark.parametrize("k", [1, 25, 32, 33, 256, 1024, 2048])
+def test_gpu_kernel_k_buckets(key, k):
+    """Every list size K (32..2048, 128 and 256 threads), the float4 path (n % 4 == 0)."""
+    q, r = data(key, 1200, 32768, 64)
+    dists, idx = jaxops.knn(q, r, k)
+    check_knn(q[:128], r, k, dists[:128], idx[:128])
+
+
+@gpu_only
+@pytest.mark.parametrize("m,n,k", [(1200, 32767, 25), (2, 1 << 20, 32), (4096, 65536 * 3, 256)])
+def test_gpu_paths(key, m, n, k):
+    """Scalar loads (odd n), split references (few queries), several tiles (scan)."""
+    q, r = data(key, m, n, 32)
+    dists, idx = jaxops.knn(q, r, k)
+    check_knn(q[-64:], r, k, dists[-64:], idx[-64:])
+
+
+@gpu_only
+def test_gpu_large_problem_completes(key):
+    """m = 10000, n = 2^20, d = 128, k = 32: XLA runs out of memory here; spot-check rows."""
+    q, r = data(key, 10000, 1 << 20, 128)
+    dists, idx = jax.block_until_ready(jax.jit(jaxops.knn, static_argnums=2)(q, r, 32))
+    rows = np.array([0, 4999, 9999])
+    check_knn(q[rows], r, 32, dists[rows], idx[rows])

@@ -1,0 +1,314 @@
+"""layer_norm / rms_norm against their pure-JAX formulas (float32 math, float64 under x64)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxops
+from helpers import FLOAT_DTYPES, ON_GPU, gpu_only, normal, tol
+
+DTYPES = FLOAT_DTYPES
+
+# Row lengths covering every kernel path: lanes-per-row teams of 1..32 lanes (cols <= 32 packs),
+# full warps with 2/4/8 packs per lane (<= 1024), one block per row with the row in shared
+# memory, odd lengths that cannot use 16-byte packs.
+# On the CPU every length runs the same C++ loop, so a few lengths suffice there.
+COLS = ([1, 3, 4, 8, 17, 32, 100, 256, 1000, 1024, 1536, 4100, 8192] if ON_GPU
+        else [1, 4, 17, 256, 1000, 4100])
+# Enough rows that the backward splits groups into many workspace slots (> 256 rows).
+ROWS = {1: 300, 3: 300, 4: 300, 8: 300, 17: 70, 32: 300, 100: 33, 256: 300, 1000: 5, 1024: 260,
+        1536: 3, 4100: 2, 8192: 3}
+
+
+def ln_ref(x, scale, bias, epsilon=1e-5):
+    """The pure-JAX formula: float32 math (float64 for float64), biased variance."""
+    a = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    xf = x.astype(a)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    return ((xf - mean) * jax.lax.rsqrt(var + epsilon) * scale.astype(a) + bias.astype(a)).astype(x.dtype)
+
+
+def rms_ref(x, scale, epsilon=1e-6):
+    a = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    xf = x.astype(a)
+    ms = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    return (xf * jax.lax.rsqrt(ms + epsilon) * scale.astype(a)).astype(x.dtype)
+
+
+def close(actual, expected, dtype, factor=1.0):
+    """Relative tolerance of the dtype; absolute tolerance relative to the largest reference
+    value, since sums of many terms (dscale, dbias) may cancel to near zero."""
+    t = tol(dtype)
+    a = np.asarray(jnp.asarray(actual).astype(jnp.float32 if dtype != jnp.float64 else jnp.float64))
+    e = np.asarray(jnp.asarray(expected).astype(a.dtype))
+    assert a.shape == e.shape, (a.shape, e.shape)
+    finite = e[np.isfinite(e)]
+    big = float(np.max(np.abs(finite))) if finite.size else 0.0
+    np.testing.assert_allclose(a, e, rtol=t["rtol"] * factor, atol=(t["atol"] + t["rtol"] * big) * factor,
+                               equal_nan=True)
+
+
+def params(key, cols, dtype, n=2):
+    ks = jax.random.split(key, n)
+    return [normal(k, (cols,), dtype) for k in ks]
+
+
+def skip_x64(dtype):
+    if jnp.dtype(dtype) == jnp.float64 and not jax.config.jax_enable_x64:
+        pytest.skip("float64 needs x64")
+
+
+# ------------------------------------------------------------------------------- forward
+
+@pytest.mark.parametrize("cols", COLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_matches_reference(key, cols, dtype):
+    skip_x64(dtype)
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (ROWS[cols], cols), dtype, scale=3.0) + jnp.asarray(1.5, dtype)
+    scale, bias = params(k2, cols, dtype)
+    close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
+    close(jaxops.rms_norm(x, scale), rms_ref(x, scale), dtype)
+
+
+@pytest.mark.parametrize("shape", [(7,), (2, 3, 40), (3, 1, 5, 16)])
+def test_any_rank_and_epsilon(key, shape):
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, shape, jnp.float32)
+    scale, bias = params(k2, shape[-1], jnp.float32)
+    close(jaxops.layer_norm(x, scale, bias, epsilon=0.5), ln_ref(x, scale, bias, 0.5), jnp.float32)
+    close(jaxops.rms_norm(x, scale, epsilon=0.25), rms_ref(x, scale, 0.25), jnp.float32)
+
+
+def test_variance_is_stable_far_from_zero(key):
+    # mean 1e4, std 0.1: E[x^2] - E[x]^2 would lose every digit in float32.
+    k1, k2 = jax.random.split(key)
+    x = (1e4 + 0.1 * jax.random.normal(k1, (16, 1000), jnp.float32)).astype(jnp.float32)
+    scale, bias = params(k2, 1000, jnp.float32)
+    y = jaxops.layer_norm(x, scale, bias)
+    x64 = np.asarray(x, np.float64)
+    mean = x64.mean(-1, keepdims=True)
+    exact = (x64 - mean) / np.sqrt(((x64 - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
+    exact = exact * np.asarray(scale, np.float64) + np.asarray(bias, np.float64)
+    np.testing.assert_allclose(np.asarray(y, np.float64), exact, rtol=1e-3, atol=1e-3)
+    _, vjp = jax.vjp(jaxops.layer_norm, x, scale, bias)
+    rstd = [r for r in jax.tree_util.tree_leaves(vjp) if getattr(r, "shape", None) == (16,)]
+    assert rstd, "per-row statistics are saved as residuals"
+
+
+def test_inf_and_nan_rows(key):
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (4, 64), jnp.float32)
+    x = x.at[1, 5].set(jnp.inf).at[2, 7].set(jnp.nan).at[3, 0].set(-jnp.inf)
+    scale, bias = params(k2, 64, jnp.float32)
+    y = jaxops.layer_norm(x, scale, bias)
+    close(y, ln_ref(x, scale, bias), jnp.float32)
+    assert np.all(np.isfinite(np.asarray(y[0]))) and np.all(np.isnan(np.asarray(y[1:])))
+    close(jaxops.rms_norm(x, scale), rms_ref(x, scale), jnp.float32)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (3, 0), (2, 0, 5)])
+def test_empty(shape):
+    x = jnp.ones(shape, jnp.float32)
+    scale = jnp.ones(shape[-1:], jnp.float32)
+    assert jaxops.layer_norm(x, scale, scale).shape == shape
+    assert jaxops.rms_norm(x, scale).shape == shape
+    g = jax.grad(lambda x, s: jaxops.layer_norm(x, s, s).sum(), (0, 1))(x, scale)
+    assert g[0].shape == shape and g[1].shape == scale.shape
+
+
+def test_residuals_are_small(key):
+    x = normal(key, (32, 128), jnp.bfloat16)
+    scale = jnp.ones((128,), jnp.bfloat16)
+    _, vjp = jax.vjp(lambda x, s: jaxops.rms_norm(x, s), x, scale)
+    leaves = [l for l in jax.tree_util.tree_leaves(vjp) if hasattr(l, "shape")]
+    extra = [l for l in leaves if l.shape == (32,)]
+    assert [l.dtype for l in extra] == [jnp.float32]  # rstd only, float32 per row
+    nbytes = sum(l.size * l.dtype.itemsize for l in leaves)
+    assert nbytes <= x.size * 2 + 128 * 2 + 32 * 4 + 64
+
+
+# ------------------------------------------------------------------------------ backward
+
+def _loss_fns(ln, rms, x):
+    # A non-constant cotangent: sum(y * w) with fixed random w.
+    w = jax.random.normal(jax.random.key(7), x.shape, jnp.float32).astype(x.dtype)
+
+    def ln_loss(x, s, b):
+        return jnp.sum((ln(x, s, b) * w).astype(jnp.float32))
+
+    def rms_loss(x, s):
+        return jnp.sum((rms(x, s) * w).astype(jnp.float32))
+
+    return ln_loss, rms_loss
+
+
+@pytest.mark.parametrize("cols", [1, 4, 17, 32, 256, 1000, 1024, 4100] if ON_GPU else [1, 17, 256, 4100])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grads_match_reference(key, cols, dtype):
+    skip_x64(dtype)
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (ROWS[cols], cols), dtype) + jnp.asarray(0.5, dtype)
+    scale, bias = params(k2, cols, dtype)
+    ln, rms = _loss_fns(jaxops.layer_norm, jaxops.rms_norm, x)
+    ln_r, rms_r = _loss_fns(ln_ref, rms_ref, x)
+    got = jax.jit(jax.grad(ln, (0, 1, 2)))(x, scale, bias)
+    want = jax.grad(ln_r, (0, 1, 2))(x, scale, bias)
+    # bfloat16/float16 gradients: reference and kernel round dx differently near cancellation.
+    factor = 2.0 if dtype in (jnp.bfloat16, jnp.float16) else 5.0
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        close(g, w, dtype, factor)
+    got = jax.jit(jax.grad(rms, (0, 1)))(x, scale)
+    want = jax.grad(rms_r, (0, 1))(x, scale)
+    for g, w in zip(got, want):
+        close(g, w, dtype, factor)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (2, 3, 33), (300, 8), (4, 130)])
+def test_check_grads_float64(key, shape):
+    if not jax.config.jax_enable_x64:
+        pytest.skip("needs x64")
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, shape, jnp.float64)
+    scale, bias = params(k2, shape[-1], jnp.float64)
+    check_grads(lambda x, s, b: jaxops.layer_norm(x, s, b), (x, scale, bias), order=1, modes=("rev",))
+    check_grads(lambda x, s: jaxops.rms_norm(x, s), (x, scale), order=1, modes=("rev",))
+
+
+def test_check_grads_float32(key):
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (6, 24), jnp.float32)
+    scale, bias = params(k2, 24, jnp.float32)
+    check_grads(lambda x, s, b: jaxops.layer_norm(x, s, b), (x, scale, bias), order=1, modes=("rev",),
+                eps=1e-2, atol=5e-2, rtol=5e-2)
+
+
+def test_parameter_grads_are_deterministic(key):
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (4096, 256), jnp.float32)
+    scale, bias = params(k2, 256, jnp.float32)
+    f = jax.jit(jax.grad(lambda x, s, b: jnp.sum(jaxops.layer_norm(x, s, b) * x), (1, 2)))
+    a, b = f(x, scale, bias), f(x, scale, bias)
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+# ------------------------------------------------------------------------- transformations
+
+def test_jit_and_static_epsilon(key):
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (5, 48), jnp.float32)
+    scale, bias = params(k2, 48, jnp.float32)
+    f = jax.jit(jaxops.layer_norm, static_argnames="epsilon")
+    close(f(x, scale, bias, epsilon=1e-3), ln_ref(x, scale, bias, 1e-3), jnp.float32)
+    close(f(x, scale, bias, epsilon=2.0), ln_ref(x, scale, bias, 2.0), jnp.float32)
+
+
+@pytest.mark.parametrize("in_axes", [(0, None, None), (1, None, None), (0, 0, 0), (None, 0, None),
+                                     (2, 0, None)])
+def test_vmap(key, in_axes):
+    k1, k2 = jax.random.split(key)
+    xshape = [6, 40]
+    if in_axes[0] is not None:
+        xshape.insert(in_axes[0], 3)
+    x = normal(k1, tuple(xshape), jnp.float32)
+    ps = []
+    for k, ax in zip(jax.random.split(k2, 2), in_axes[1:]):
+        ps.append(normal(k, (3, 40) if ax == 0 else (40,), jnp.float32))
+    got = jax.vmap(jaxops.layer_norm, in_axes)(x, *ps)
+    close(got, jax.vmap(ln_ref, in_axes)(x, *ps), jnp.float32)
+    got = jax.vmap(jaxops.rms_norm, in_axes[:2])(x, ps[0])
+    close(got, jax.vmap(rms_ref, in_axes[:2])(x, ps[0]), jnp.float32)
+
+    # Gradients through the vmapped function: per-example scales get per-example gradients,
+    # shared ones get the sum.
+    def loss(f):
+        return lambda x, s, b: jnp.sum(jnp.sin(jax.vmap(f, in_axes)(x, s, b)))
+
+    got = jax.grad(loss(jaxops.layer_norm), (0, 1, 2))(x, *ps)
+    want = jax.grad(loss(ln_ref), (0, 1, 2))(x, *ps)
+    for g, w in zip(got, want):
+        close(g, w, jnp.float32, 5.0)
+
+
+def test_nested_vmap_and_vmap_of_grad(key):
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (2, 3, 4, 24), jnp.float32)
+    scale, bias = params(k2, 24, jnp.float32)
+    f = jax.vmap(jax.vmap(jaxops.layer_norm, (0, None, None)), (1, None, None))
+    close(f(x, scale, bias), jax.vmap(jax.vmap(ln_ref, (0, None, None)), (1, None, None))(x, scale, bias),
+          jnp.float32)
+    per_example = jax.vmap(jax.grad(lambda x, s: jnp.sum(jaxops.rms_norm(x, s) ** 2), (0, 1)), (0, None))
+    want = jax.vmap(jax.grad(lambda x, s: jnp.sum(rms_ref(x, s) ** 2), (0, 1)), (0, None))
+    for g, w in zip(per_example(x, scale), want(x, scale)):
+        close(g, w, jnp.float32, 5.0)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+def test_bad_input_raises_before_running():
+    x = jnp.ones((4, 8), jnp.float32)
+    s = jnp.ones((8,), jnp.float32)
+    with pytest.raises(ValueError, match=r"jaxops.layer_norm: scale must have shape \(8,\).*\(7,\)"):
+        jaxops.layer_norm(x, jnp.ones((7,), jnp.float32), s)
+    with pytest.raises(ValueError, match=r"jaxops.layer_norm: bias must have shape .*\(4, 8\)"):
+        jaxops.layer_norm(x, s, jnp.ones((4, 8), jnp.float32))
+    with pytest.raises(TypeError, match=r"jaxops.rms_norm: scale must have x's dtype float32, got bfloat16"):
+        jaxops.rms_norm(x, s.astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match=r"jaxops.layer_norm: x must be float.*int32"):
+        jaxops.layer_norm(jnp.ones((4, 8), jnp.int32), s, s)
+    with pytest.raises(ValueError, match=r"jaxops.rms_norm: x must have at least one dimension"):
+        jaxops.rms_norm(jnp.float32(1.0), jnp.ones((1,), jnp.float32))
+    with pytest.raises(ValueError, match=r"jaxops.layer_norm: epsilon must be finite and >= 0, got -1"):
+        jaxops.layer_norm(x, s, s, epsilon=-1.0)
+    with pytest.raises(ValueError, match=r"jaxops.rms_norm: epsilon must be finite and >= 0, got nan"):
+        jaxops.rms_norm(x, s, epsilon=float("nan"))
+    with pytest.raises(ValueError, match=r"jaxops.rms_norm: epsilon must be a non-negative Python float"):
+        jaxops.rms_norm(x, s, epsilon="small")
+    with pytest.raises(ValueError, match=r"jaxops.layer_norm: epsilon must be a non-negative Python float"):
+        jax.jit(lambda e: jaxops.layer_norm(x, s, s, epsilon=e))(1e-5)
+
+
+# --------------------------------------------------------------------------- GPU paths
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("cols", [131072, 100003])
+def test_long_rows_uncached_paths(key, dtype, cols):
+    # Rows beyond shared memory (forward: > ~227 KB per row; backward: x, dy and the
+    # accumulators beyond it) take the uncached kernels.
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (3, cols), dtype, scale=2.0) + jnp.asarray(3.0, dtype)
+    scale, bias = params(k2, cols, dtype)
+    close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
+    ln, _ = _loss_fns(jaxops.layer_norm, jaxops.rms_norm, x)
+    ln_r, _ = _loss_fns(ln_ref, rms_ref, x)
+    for g, w in zip(jax.grad(ln, (0, 1, 2))(x, scale, bias), jax.grad(ln_r, (0, 1, 2))(x, scale, bias)):
+        close(g, w, dtype, 2.0)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_many_rows_gpu(key, dtype):
+    # Many slots per group and grid-stride loops over rows and slots.
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (20000, 768), dtype)
+    scale, bias = params(k2, 768, dtype)
+    close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
+    ln, _ = _loss_fns(jaxops.layer_norm, jaxops.rms_norm, x)
+    ln_r, _ = _loss_fns(ln_ref, rms_ref, x)
+    for g, w in zip(jax.grad(ln, (0, 1, 2))(x, scale, bias), jax.grad(ln_r, (0, 1, 2))(x, scale, bias)):
+        close(g, w, dtype, 2.0)
+
+
+def test_misaligned_rows_fall_back_to_scalar_packs(key):
+    # cols not a multiple of the 16-byte pack: scalar loads in every path.
+    k1, k2 = jax.random.split(key)
+    for cols in (31, 33, 1023, 2047, 6001) if ON_GPU else (33, 1023):
+        x = normal(k1, (9, cols), jnp.bfloat16)
+        scale, bias = params(k2, cols, jnp.bfloat16)
+        close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), jnp.bfloat16)
+        close(jaxops.rms_norm(x, scale), rms_ref(x, scale), jnp.bfloat16)

@@ -1,0 +1,358 @@
+"""jaxops.sum/mean/max/min/logsumexp/argmax/argmin against jnp / jax.nn on fresh random data.
+
+Shapes are chosen to reach every kernel path on the GPU: short rows (warp per row), long rows
+(block per row), very long rows and full reductions (grid split + merge), columns with small,
+odd and wide inner extents (with and without a split of the reduced axis), and non-contiguous
+axis tuples (transpose). On the CPU the same cases check the C++ twin.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxops
+from helpers import FLOAT_DTYPES, ON_GPU, gpu_only, normal, skip_f64_without_x64
+
+VALUE_OPS = ["sum", "mean", "max", "min", "logsumexp"]
+ARG_OPS = ["argmax", "argmin"]
+REF = {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max, "min": jnp.min,
+       "logsumexp": jax.nn.logsumexp, "argmax": jnp.argmax, "argmin": jnp.argmin}
+
+# (shape, axis): every axis form, extent-1 axes, odd extents and each kernel path.
+CASES = [
+    ((), None),
+    ((1,), None),
+    ((7,), 0),
+    ((3, 5, 7), None),
+    ((3, 5, 7), 0),
+    ((3, 5, 7), 1),
+    ((3, 5, 7), -1),
+    ((3, 5, 7), (0, 1)),
+    ((3, 5, 7), (1, 2)),
+    ((3, 5, 7), (0, 2)),      # not contiguous: transposed
+    ((3, 5, 7), (-1, 0)),
+    ((3, 5, 7), ()),          # no reduction
+    ((4, 1, 6), 1),           # extent-1 reduced axis
+    ((2, 3, 1, 4), (1, 3)),   # contiguous once the extent-1 axis is ignored
+    ((1, 1), None),
+    ((300, 100), 1),          # short rows: warp per row (odd: scalar loads)
+    ((37, 1024), -1),         # warp per row, 16-byte loads
+    ((9, 8192), 1),           # block per row
+    ((3, 65537), 1),          # split rows, odd length
+    ((1 << 18,), None),       # full reduction: split + merge
+    ((65537, 3), 0),          # columns, odd inner, split reduced axis
+    ((1000, 64), 0),          # columns, 16-byte loads
+    ((256, 4096), 0),         # wide columns: several tiles
+    ((2, 513, 256), 1),       # columns with outer > 1
+    ((64, 48, 40), (0, 1)),   # leading axes (BatchNorm statistics)
+]
+
+
+def _f64(a):
+    return np.asarray(jnp.asarray(a).astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32),
+                      dtype=np.float64)
+
+
+def _eps(dtype):
+    return float(jnp.finfo(dtype).eps)
+
+
+def _rng(key):
+    """A numpy generator seeded from the per-test key: fresh data without compiling anything."""
+    return np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
+
+
+def _rand(rng, shape, dtype, scale=1.0):
+    return jnp.asarray((scale * rng.standard_normal(shape)).astype(np.float32).astype(dtype))
+
+
+def _np_ref(op, x64, axis, keepdims=False):
+    """float64 numpy reference (numpy propagates NaN in max/min and picks the first NaN in argmax)."""
+    if op == "logsumexp":
+        with np.errstate(all="ignore"):
+            m = np.max(x64, axis=axis, keepdims=True)
+            m = np.where(np.isfinite(m), m, 0.0)
+            out = np.log(np.sum(np.exp(x64 - m), axis=axis, keepdims=True)) + m
+        return out if keepdims else np.squeeze(out, axis=axis)
+    f = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "argmax": np.argmax,
+         "argmin": np.argmin}[op]
+    with np.errstate(all="ignore"):
+        return f(x64, axis=axis, keepdims=keepdims)
+
+
+def _check_value(op, got, x, axis, keepdims):
+    """Accuracy against float64 on the same (rounded) inputs: output rounding plus a pairwise
+    summation bound in the accumulation type; max/min must be exact."""
+    xf = _f64(x)
+    ref = np.asarray(_np_ref(op, xf, axis, keepdims), dtype=np.float64)
+    assert got.shape == ref.shape and got.dtype == x.dtype, (op, got.shape, ref.shape, got.dtype)
+    g = _f64(got)
+    if op in ("max", "min"):
+        np.testing.assert_array_equal(g, ref, err_msg=f"{op} {x.shape} {axis}")
+        return
+    n = max(1, x.size // max(1, got.size))
+    eps_acc = _eps(jnp.float64) if x.dtype == jnp.float64 else _eps(jnp.float32)
+    if op == "logsumexp":
+        atol = 8 * eps_acc * math.log2(n + 2) * np.maximum(1.0, np.abs(ref))
+    else:
+        mag = np.sum(np.abs(xf), axis=axis, keepdims=keepdims) / (n if op == "mean" else 1)
+        atol = 4 * eps_acc * math.log2(n + 2) * mag
+    bound = _eps(x.dtype) * np.abs(ref) + atol
+    ok = (np.abs(g - ref) <= bound) | (g == ref)
+    assert np.all(ok), f"{op} {x.shape} {axis}: max error {np.max(np.abs(g - ref))}, got {g[~ok][:5]} ref {ref[~ok][:5]}"
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_every_op_matches_reference(dtype, key):
+    """All seven ops on every case (one jit per case keeps the CPU run short)."""
+    skip_f64_without_x64(dtype)
+    rng = _rng(key)
+    for i, (shape, axis) in enumerate(CASES):
+        keepdims = i % 2 == 1
+        x = _rand(rng, shape, dtype, scale=3.0)
+        # Few distinct values, so argmax/argmin meet ties: the first index must win.
+        xt = jnp.asarray(np.round(2 * rng.standard_normal(shape)).astype(np.float32).astype(dtype))
+        arg_axis = None if isinstance(axis, tuple) else axis
+
+        @jax.jit
+        def run(x, xt):
+            vals = [getattr(jaxops, op)(x, axis, keepdims) for op in VALUE_OPS]
+            return vals, [getattr(jaxops, op)(xt, arg_axis, keepdims) for op in ARG_OPS]
+
+        vals, args = run(x, xt)
+        for op, got in zip(VALUE_OPS, vals):
+            _check_value(op, got, x, axis, keepdims)
+        for op, got in zip(ARG_OPS, args):
+            ref = np.asarray(REF[op](xt, axis=arg_axis, keepdims=keepdims))
+            assert got.dtype == jnp.int32 and got.shape == ref.shape
+            np.testing.assert_array_equal(np.asarray(got), ref, err_msg=f"{op} {shape} {arg_axis}")
+
+
+@pytest.mark.parametrize("shape,axis", [((6, 9), 1), ((9, 6), 0), ((5, 3000), 1), ((3, 70000), 1),
+                                        ((3000, 5), 0), ((40000,), None)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_nan_and_inf(shape, axis, dtype, key):
+    """NaN propagates (argmax/argmin pick the first NaN), +-inf as jnp / jax.nn.logsumexp.
+
+    The reference is numpy: XLA:CPU's own max reduction drops NaN on some shapes."""
+    rng = _rng(key)
+    x = rng.standard_normal(shape)
+    special = np.array([np.nan, np.inf, -np.inf, -np.inf])
+    x = np.where(rng.uniform(size=shape) < 0.1, special[rng.integers(0, 4, shape)], x)
+    if len(shape) == 2:  # dedicated slices: all -inf, +inf with -inf, only +inf, two NaNs, inf and NaN
+        red = axis
+        for lane, values in enumerate([(-np.inf,), (np.inf, -np.inf), (np.inf,), (np.nan, np.nan),
+                                       (np.inf, np.nan)]):
+            line = np.full(shape[red], -np.inf if lane == 0 else 0.5)
+            for j, v in enumerate(values):
+                line[3 + 2 * j] = v
+            if red == 1:
+                x[lane % shape[0], :] = line
+            else:
+                x[:, lane % shape[1]] = line
+    x = jnp.asarray(x.astype(np.float32).astype(dtype))
+    ops = VALUE_OPS + ARG_OPS
+    got = jax.jit(lambda v: [getattr(jaxops, op)(v, axis) for op in ops])(x)
+    for op, g in zip(ops, got):
+        r = _np_ref(op, _f64(x), axis)
+        g = np.asarray(g) if op in ARG_OPS else _f64(g)
+        if op in ("sum", "mean", "logsumexp"):
+            np.testing.assert_array_equal(np.isnan(g), np.isnan(r), err_msg=op)
+            np.testing.assert_array_equal(np.isposinf(g), np.isposinf(r), err_msg=op)
+            np.testing.assert_array_equal(np.isneginf(g), np.isneginf(r), err_msg=op)
+        else:
+            np.testing.assert_array_equal(g, r, err_msg=op)
+
+
+def test_logsumexp_special_rows():
+    x = jnp.array([[-jnp.inf, -jnp.inf, -jnp.inf], [jnp.inf, -jnp.inf, 1.0], [jnp.inf, jnp.nan, 0.0],
+                   [1000.0, 1000.0, -1000.0], [-1e30, -1e30, -1e30]])
+    got = jaxops.logsumexp(x, axis=1)
+    np.testing.assert_array_equal(np.isnan(got), [False, False, True, False, False])
+    assert got[0] == -jnp.inf and got[1] == jnp.inf
+    np.testing.assert_allclose(got[3:], jax.nn.logsumexp(x[3:], axis=1), rtol=1e-6)
+
+
+def test_bfloat16_accuracy_against_float64(key):
+    """float32 accumulation: a bf16 sum of 65537 values is as good as rounding the exact sum."""
+    x = normal(key, (4, 65537), jnp.bfloat16) + jnp.bfloat16(1.0)
+    exact = np.sum(_f64(x), axis=1)
+    got = _f64(jaxops.sum(x, axis=1))
+    assert np.all(np.abs(got - exact) <= _eps(jnp.bfloat16) * np.abs(exact) + 1e-3), (got, exact)
+    xc = x.reshape(65537, 4)
+    exact = np.sum(_f64(xc), axis=0)
+    got = _f64(jaxops.sum(xc, axis=0))
+    assert np.all(np.abs(got - exact) <= _eps(jnp.bfloat16) * np.abs(exact) + 1e-3), (got, exact)
+
+
+@pytest.mark.parametrize("shape,axis", [((1 << 20,), None), ((8, 1 << 17), 1), ((1 << 17, 8), 0),
+                                        ((50000, 64), 0), ((17, 30), 0)])
+def test_repeated_calls_are_bit_identical(shape, axis, key):
+    x = normal(key, shape, jnp.float32)
+    f = jax.jit(lambda v: [jaxops.sum(v, axis), jaxops.logsumexp(v, axis), jaxops.mean(v, axis)])
+    first = [np.asarray(a) for a in f(x)]
+    for _ in range(3):
+        for a, b in zip(first, f(x)):
+            np.testing.assert_array_equal(a.view(np.uint32), np.asarray(b).view(np.uint32))
+    eager = np.asarray(jaxops.sum(x, axis))
+    np.testing.assert_array_equal(first[0].view(np.uint32), eager.view(np.uint32))
+
+
+def _transformed(f):
+    """jit + keepdims, vmap over several in_axes, nested vmap, vmap of a full reduction."""
+    return lambda x: [
+        f(x, 1, True),
+        *[jax.vmap(lambda v: f(v, -1), in_axes=a)(x) for a in (0, 1, 3)],
+        jax.vmap(jax.vmap(lambda v: f(v, 0), in_axes=1), in_axes=2)(x),
+        jax.vmap(lambda v: f(v, (0, 2)), in_axes=2)(x),
+        jax.vmap(lambda v: f(v), in_axes=2)(x),
+    ]
+
+
+def test_jit_and_vmap(key):
+    x = _rand(_rng(key), (4, 5, 6, 7), jnp.float32)
+    ops = VALUE_OPS + ARG_OPS
+    ref_fn = {op: (lambda v, a=None, k=False, op=op: REF[op](v, a, keepdims=k)) for op in ops}
+    ref_fn["argmax"] = lambda v, a=None, k=False: jnp.argmax(v, None if isinstance(a, tuple) else a, keepdims=k)
+    ref_fn["argmin"] = lambda v, a=None, k=False: jnp.argmin(v, None if isinstance(a, tuple) else a, keepdims=k)
+    ours = {op: getattr(jaxops, op) for op in ops}
+    ours["argmax"] = lambda v, a=None, k=False: jaxops.argmax(v, None if isinstance(a, tuple) else a, k)
+    ours["argmin"] = lambda v, a=None, k=False: jaxops.argmin(v, None if isinstance(a, tuple) else a, k)
+    got = jax.jit(lambda v: [_transformed(ours[op])(v) for op in ops])(x)
+    ref = jax.jit(lambda v: [_transformed(ref_fn[op])(v) for op in ops])(x)
+    for op, gs, rs in zip(ops, got, ref):
+        for i, (g, r) in enumerate(zip(gs, rs)):
+            assert g.shape == r.shape, (op, i, g.shape, r.shape)
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5, err_msg=f"{op} {i}")
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "logsumexp", "max", "min"])
+@pytest.mark.parametrize("axis", [None, -1, (0, 2)])
+def test_grads(op, axis, key):
+    dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+    x = normal(key, (3, 4, 5), dtype)
+    f = getattr(jaxops, op)
+    check_grads(jax.jit(lambda v: f(v, axis)), (x,), order=1, modes=("rev",),
+                eps=1e-4 if dtype == jnp.float64 else 1e-2, atol=1e-6 if dtype == jnp.float64 else 5e-2)
+    w = jnp.arange(1.0, 1.0 + REF[op](x, axis).size, dtype=dtype).reshape(REF[op](x, axis).shape)
+    g = jax.jit(jax.grad(lambda v: jnp.sum(f(v, axis) * w)))(x)
+    gr = jax.jit(jax.grad(lambda v: jnp.sum(REF[op](v, axis) * w)))(x)
+    np.testing.assert_allclose(g, gr, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_max_min_grad_splits_ties_like_jnp(op):
+    x = jnp.array([[1.0, 3.0, 3.0, 2.0, 3.0], [-1.0, -1.0, 0.5, jnp.nan, 0.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
+    if op == "min":
+        x = -x
+    got = jax.grad(lambda v: jnp.sum(getattr(jaxops, op)(v, axis=1) * jnp.array([1.0, 2.0, 3.0])))(x)
+    ref = jax.grad(lambda v: jnp.sum(REF[op](v, axis=1) * jnp.array([1.0, 2.0, 3.0])))(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    assert float(got[0, 1]) == pytest.approx(1 / 3) and np.all(np.isnan(got[1]))
+
+
+def test_grad_half_dtypes_and_jit_vmap(key):
+    x = normal(key, (6, 33), jnp.bfloat16)
+    for op in ("sum", "mean", "logsumexp", "max"):
+        f = jax.jit(jax.vmap(jax.grad(lambda v: getattr(jaxops, op)(v).astype(jnp.float32))))
+        r = jax.vmap(jax.grad(lambda v: REF[op](v).astype(jnp.float32)))
+        got, ref = f(x), r(x)
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(_f64(got), _f64(ref), rtol=2e-2, atol=1e-2, err_msg=op)
+
+
+def test_argmax_not_differentiable_but_usable_in_grad(key):
+    x = normal(key, (4, 9), jnp.float32)
+    g = jax.grad(lambda v: jnp.sum(jnp.take_along_axis(v, jaxops.argmax(v, 1, keepdims=True), 1)))(x)
+    np.testing.assert_array_equal(g, jax.nn.one_hot(jnp.argmax(x, 1), 9))
+
+
+def test_empty_reductions():
+    e = jnp.zeros((0, 3), jnp.float32)
+    np.testing.assert_array_equal(jaxops.sum(e, axis=0), jnp.zeros(3))
+    assert np.all(np.isnan(jaxops.mean(e, axis=0)))
+    assert np.all(jaxops.logsumexp(e, axis=0) == -jnp.inf)
+    assert jaxops.sum(e).shape == () and float(jaxops.sum(e)) == 0.0
+    assert jaxops.sum(e, axis=1).shape == (0,)
+    assert jaxops.max(e, axis=1).shape == (0,)  # empty output, non-empty reduced axis
+    assert jaxops.argmax(e, axis=1).shape == (0,)
+    for op in ("max", "min"):
+        with pytest.raises(ValueError, match=f"jaxops.{op}: zero-size array"):
+            getattr(jaxops, op)(e, axis=0)
+    for op in ARG_OPS:
+        with pytest.raises(ValueError, match=f"jaxops.{op}: attempt to get {op} of an empty"):
+            getattr(jaxops, op)(e)
+    assert jax.grad(lambda v: jaxops.sum(v))(e).shape == (0, 3)
+
+
+def test_bad_input_raises_before_running():
+    x = jnp.ones((2, 3))
+    for op in VALUE_OPS + ARG_OPS:
+        f = getattr(jaxops, op)
+        with pytest.raises(TypeError, match=f"jaxops.{op}: x must be float.*int32"):
+            f(jnp.ones((2, 3), jnp.int32))
+        with pytest.raises(TypeError, match=f"jaxops.{op}: x must be float"):
+            f(jnp.ones((2, 3), jnp.bool_))
+        with pytest.raises(ValueError, match=f"jaxops.{op}: axis 2 is out of bounds"):
+            f(x, axis=2)
+        with pytest.raises(ValueError, match=f"jaxops.{op}: axis -3 is out of bounds"):
+            f(x, axis=-3)
+        with pytest.raises(ValueError, match=f"jaxops.{op}: axis 0 is out of bounds.*rank 0"):
+            f(jnp.float32(1.0), axis=0)
+    for op in VALUE_OPS:
+        with pytest.raises(ValueError, match=f"jaxops.{op}: repeated axis"):
+            getattr(jaxops, op)(x, axis=(1, -1))
+        with pytest.raises(ValueError, match=f"jaxops.{op}: axis .* out of bounds"):
+            getattr(jaxops, op)(x, axis=(0, 5))
+    for op in ARG_OPS:
+        with pytest.raises(TypeError, match=f"jaxops.{op}: axis must be None or an int"):
+            getattr(jaxops, op)(x, axis=(0, 1))
+
+
+def test_ffi_handler_validates_again():
+    """Calling the FFI target directly with inconsistent shapes returns an error, not a crash."""
+    from jaxops._ffi import ffi_call
+
+    x = jnp.ones((2, 3, 4), jnp.float32)
+    bad = [((2, 5), jnp.float32, 0, 1), ((2, 4), jnp.int32, 0, 1), ((2, 4), jnp.float32, 9, 1),
+           ((2, 4), jnp.float32, 0, 4)]  # last: splits > 1 with no workspace
+    for shape, dtype, op, splits in bad:
+        with pytest.raises(Exception, match="jaxops"):
+            jax.block_until_ready(ffi_call("sum", "jaxops_reduce",
+                                           (jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct((0,), jnp.uint8)),
+                                           x, op=op, splits=splits))
+
+
+@gpu_only
+def test_more_than_2_pow_31_elements():
+    """64-bit offsets: rows and columns of arrays with more than 2^31 elements (bfloat16)."""
+    n = (1 << 30) + 5
+    x = jnp.ones((3, n), jnp.bfloat16).at[2, (1 << 30) + 1].set(5.0).at[1, 7].set(-4.0)
+    np.testing.assert_array_equal(jaxops.argmax(x, axis=1), [0, 0, (1 << 30) + 1])
+    np.testing.assert_array_equal(jaxops.argmin(x, axis=1), [0, 7, 0])
+    assert float(jaxops.max(x)) == 5.0 and float(jaxops.min(x)) == -4.0
+    np.testing.assert_allclose(_f64(jaxops.sum(x, axis=1)), [n, n - 5, n + 4], rtol=8e-3)
+    del x
+    r = (1 << 21) + 3
+    y = jnp.ones((r, 1024), jnp.bfloat16).at[r - 2, 7].set(9.0)
+    assert int(jaxops.argmax(y, axis=0)[7]) == r - 2 and float(jaxops.max(y, axis=0)[7]) == 9.0
+    np.testing.assert_allclose(_f64(jaxops.sum(y, axis=0))[:8], [r] * 7 + [r + 8], rtol=8e-3)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape,axis", [((1 << 26,), None), ((64, 1 << 20), 1), ((1 << 16, 1024), 1),
+                                        ((1 << 20, 64), 0), ((1 << 18, 256), 0), ((1 << 14, 4096), 0)])
+def test_gpu_benchmark_shapes_bit_identical_and_accurate(shape, axis, dtype, key):
+    x = normal(key, shape, dtype)
+    for op in ("sum", "logsumexp", "argmax"):
+        f = jax.jit(lambda v: getattr(jaxops, op)(v, axis))
+        a, b = np.asarray(f(x)), np.asarray(f(x))
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+        if op == "argmax":
+            np.testing.assert_array_equal(a, jnp.argmax(x, axis))
+        else:
+            _check_value(op, f(x), x, axis, False)
