@@ -1,4 +1,4 @@
-"""Timing: many back-to-back calls inside one jit on distinct inputs, median over repeats."""
+"""Timing: many back-to-back calls inside one jit, median over repeats."""
 from __future__ import annotations
 
 import statistics
@@ -9,46 +9,43 @@ import jax
 import jax.numpy as jnp
 
 
-def _batched(fn: Callable[..., Any], copies: int):
-    # Distinct inputs keep XLA from merging identical calls; one dispatch amortises launch cost.
+def _batched(fn: Callable[..., Any], inner: int):
+    """One jit that calls `fn` `inner` times on each input set.
+
+    Each call's inputs pass through an optimization barrier tagged with the call's number, so
+    XLA can neither merge identical calls nor hoist them; one dispatch then carries many
+    kernels and its fixed launch/synchronisation cost (~20-50 us) is shared among them.
+    """
+
     def run(*input_sets):
-        return [fn(*inputs) for inputs in input_sets]
+        outs = []
+        for i in range(inner):
+            for inputs in input_sets:
+                tagged, _ = jax.lax.optimization_barrier((tuple(inputs), jnp.int32(i)))
+                outs.append(fn(*tagged))
+        return outs
 
     return jax.jit(run)
 
 
-def _median_seconds(run, input_sets, repeats: int) -> float:
+def time_fn(fn: Callable[..., Any], input_sets: Sequence[Sequence[jax.Array]], repeats: int,
+            inner: int = 1) -> float:
+    """Median seconds of one call of `fn`: len(input_sets) * inner calls per timed dispatch."""
+    run = _batched(fn, inner)
     jax.block_until_ready(run(*input_sets))  # compile and warm up
     jax.block_until_ready(run(*input_sets))
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(run(*input_sets))
-        samples.append(time.perf_counter() - start)
+        samples.append((time.perf_counter() - start) / (len(input_sets) * inner))
     return statistics.median(samples)
 
 
-def time_fn(fn: Callable[..., Any], input_sets: Sequence[Sequence[jax.Array]], repeats: int) -> float:
-    """Median seconds of one call of `fn`.
-
-    Times one dispatch over all input sets and one over the first third of them; the slope
-    between the two cancels the fixed dispatch and synchronisation cost, which is otherwise
-    ~10% of a 200 us kernel.
-    """
-    many = len(input_sets)
-    few = max(many // 3, 1)
-    t_many = _median_seconds(_batched(fn, many), input_sets, repeats)
-    if few == many:
-        return t_many / many
-    t_few = _median_seconds(_batched(fn, few), input_sets[:few], repeats)
-    slope = (t_many - t_few) / (many - few)
-    return slope if slope > 0 else t_many / many
-
-
-def copy_bandwidth(nbytes: int, copies: int, repeats: int) -> float:
+def copy_bandwidth(nbytes: int, copies: int, repeats: int, inner: int = 1) -> float:
     """Bytes per second of a device-to-device copy (read + write) of an nbytes float32 array."""
     n = max(nbytes // 4, 1)
     keys = jax.random.split(jax.random.key(1234), copies)
     sets = [(jax.random.normal(k, (n,), jnp.float32),) for k in keys]
-    seconds = time_fn(lambda x: jnp.negative(x), sets, repeats)
+    seconds = time_fn(lambda x: jnp.negative(x), sets, repeats, inner)
     return 2 * n * 4 / seconds
