@@ -18,6 +18,25 @@ step_test() {
   (cd /tmp && python -c "import jaxops, jax; print(jaxops.build_info(), jax.devices())" &&
    eval "python3 -m pytest -q -p no:cacheprovider ${1:-$root/tests}") >"$out/test.log" 2>&1
 }
+# Every test file in its own process at once (XLA compiles on the CPU cores in parallel);
+# memory is allocated on demand so the processes share the GPU. One combined log.
+step_ptest() {
+  local limit=${1:-420}
+  export XLA_PYTHON_CLIENT_ALLOCATOR=platform
+  mkdir -p /tmp/ptest && rm -f /tmp/ptest/*
+  (cd /tmp && for f in "$root"/tests/test_*.py; do
+     n=$(basename "$f" .py)
+     timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 "$f" >/tmp/ptest/$n.log 2>&1 &
+   done; wait)
+  local rc=0
+  for log in /tmp/ptest/*.log; do
+    echo "=== $(basename "$log")"
+    grep -E "^FAILED|^ERROR|^E  |passed|failed|[0-9.]+s (call|setup)" "$log" | head -60
+    tail -n 1 "$log" | grep -q " passed" && ! tail -n 1 "$log" | grep -qE "failed|error" || rc=1
+  done >"$out/ptest.log"
+  for log in /tmp/ptest/*.log; do echo "=== $log"; cat "$log"; done >/tmp/ptest_full.log
+  return $rc
+}
 step_sanitize() {
   local args=${1:-"$root/tests/test_softmax.py -k 'not 2_to_31'"}
   export XLA_PYTHON_CLIENT_PREALLOCATE=false

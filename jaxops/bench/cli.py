@@ -147,13 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_case(case, copies, repeats, copy_bw, inner))
         if stream:
             print(format_table(rows[-1:], copy_bw, device).splitlines()[-1], flush=True)
+        if args.json:  # rewritten after every case for the same reason
+            with open(args.json, "w") as f:
+                json.dump({"device": device, "copy_bandwidth": copy_bw, "date": time.strftime("%Y-%m-%d"),
+                           "jax": jax.__version__, "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
     _progress(len(cases), len(cases), "done")
 
     print(format_table(rows, copy_bw, device))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "copy_bandwidth": copy_bw, "date": time.strftime("%Y-%m-%d"),
-                       "jax": jax.__version__, "rows": rows}, f, indent=1)
     if args.plot:
         plot(rows, copy_bw, args.plot)
     return 0
