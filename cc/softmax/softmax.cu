@@ -95,7 +95,11 @@ forward_warp(const T* __restrict__ x, const bool* __restrict__ mask, T* __restri
       const int64_t col = (int64_t(k) * W + lane) * P;
       if (active && col < cols) {
 #pragma unroll
-        for (int p = 0; p < P; ++p) s += fast_exp(v[k * P + p] - m);
+        for (int p = 0; p < P; ++p) {
+          const A e = fast_exp(v[k * P + p] - m);
+          s += e;
+          if (!log) v[k * P + p] = e;  // softmax's output needs exp once, not twice
+        }
       }
     }
     s = warp_reduce<SumOp, W>(s);
@@ -108,7 +112,8 @@ forward_warp(const T* __restrict__ x, const bool* __restrict__ mask, T* __restri
 #pragma unroll
         for (int p = 0; p < P; ++p) {
           const bool off_mask = (masked >> (k * P + p)) & 1u;
-          out.v[p] = from_acc<T>(off_mask ? masked_out<A>(log) : st.out(v[k * P + p], log));
+          const A r = log ? st.out(v[k * P + p], true) : v[k * P + p] * st.inv_sum;
+          out.v[p] = from_acc<T>(off_mask ? masked_out<A>(log) : r);
         }
         store_pack<T, P>(y + off + col, out);
       }
@@ -251,9 +256,15 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask, T* __rest
     m = cluster_allreduce<MaxOp>(m, &slots[0], &bcast[0]);
     A s = 0;
     for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
-      const Pack<T, P> pk = load_pack<T, P>(cache + i * P);
+      Pack<T, P> pk = load_pack<T, P>(cache + i * P);
 #pragma unroll
-      for (int p = 0; p < P; ++p) s += fast_exp(to_acc(pk.v[p]) - m);
+      for (int p = 0; p < P; ++p) {
+        const A e = fast_exp(to_acc(pk.v[p]) - m);
+        s += e;
+        pk.v[p] = from_acc<T>(e);
+      }
+      // softmax's output pass then scales the cached exp instead of recomputing it
+      if (!log) store_pack<T, P>(cache + i * P, pk);
     }
     s = block_reduce<SumOp>(s, scratch);
     s = cluster_allreduce<SumOp>(s, &slots[1], &bcast[1]);
@@ -262,7 +273,8 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask, T* __rest
       const Pack<T, P> pk = load_pack<T, P>(cache + i * P);
       Pack<T, P> out;
 #pragma unroll
-      for (int p = 0; p < P; ++p) out.v[p] = from_acc<T>(st.out(to_acc(pk.v[p]), log));
+      for (int p = 0; p < P; ++p)
+        out.v[p] = from_acc<T>(log ? st.out(to_acc(pk.v[p]), true) : to_acc(pk.v[p]) * st.inv_sum);
       if (mask) {
         const Pack<bool, P> mk = load_pack<bool, P>(mask + off + i * P);
 #pragma unroll
