@@ -33,9 +33,10 @@ result (as in an einsum). Three kinds of factor:
   block (rows of softmax and layer_norm, queries of knn, elements of relu);
 * ``replicated``: the op needs the whole dimension on each device (softmax's normalized axis,
   the feature axis of knn). If a user shards it anyway, its mesh axes are moved onto another
-  factor of the largest operand (softmax split over its row becomes split over rows: one
-  all-to-all, each device does 1/n of the work) or, failing that, the partitioner gathers
-  that operand; either way the result is correct;
+  factor of the largest operand (softmax split over its row becomes split over rows, each
+  device does 1/n of the work; the partitioner picks the reshard: one all-to-all on jax 0.5
+  and 0.10, all-gathers on jax 0.11.2) or, failing that, the partitioner gathers that
+  operand; either way the result is correct;
 * ``reduced``: the op may run on a block of the dimension and combine partial results
   itself; results never carry a reduced factor (reductions' reduced axis, knn's references).
 
@@ -299,10 +300,12 @@ def _move_onto_free_factor(rule: Rule, mesh, arg_shapes, order, sizes, chosen, u
     """Mesh axes a user put on a replicated factor go to another factor instead.
 
     E.g. softmax of x sharded P(None, "x") over its normalized axis: rather than every
-    device gathering all of x and computing everything, x is resharded (all-to-all) to be
-    split over rows on "x", each device normalizes its own rows, and the partitioner reshards
-    the result back to the user's layout. The factor chosen is the first of the largest
-    operand that may be split (pass-through or reduced) and stays evenly divisible.
+    device gathering all of x and computing everything, x is resharded to be split over rows
+    on "x", each device normalizes its own rows, and the partitioner reshards the result back
+    to the user's layout. (How it reshards is its choice: an all-to-all on jax 0.5 and 0.10,
+    all-gathers on jax 0.11.2; the result is correct either way.) The factor chosen is the
+    first of the largest operand that may be split (pass-through or reduced) and stays
+    evenly divisible.
     """
     main = rule.operands[order[0]] if order else ()
     free = [_factors(d)[0] for d in main if _factors(d)[0] not in rule.replicated]
@@ -325,19 +328,26 @@ def _partition(op: _Op, mesh, arg_shapes, result_shape):
 
     arg_shardings = tuple(_named(mesh, m, chosen) for m in op.rule.operands)
     result_shardings = [_named(mesh, m, chosen) for m in op.rule.results]
-    multiple = isinstance(result_shape, (tuple, list))
+
     def lower(*args):
         return op.run(args, dict(chosen))
 
-    out_shardings = tuple(result_shardings) if multiple else result_shardings[0]
-    return mesh, lower, out_shardings, arg_shardings
+    return mesh, lower, _like_results(result_shape, result_shardings), arg_shardings
 
 
 def _infer_from_operands(op: _Op, mesh, arg_shapes, result_shape):
     # Only used by the GSPMD partitioner (Shardy reads the sharding rule instead).
     chosen = _factor_axes(op, mesh, arg_shapes)
     out = [_named(mesh, m, chosen) for m in op.rule.results]
-    return tuple(out) if isinstance(result_shape, (tuple, list)) else out[0]
+    return _like_results(result_shape, out)
+
+
+def _like_results(result_shape, shardings: list[NamedSharding]):
+    """The result shardings in the very pytree structure of the local function's results.
+
+    jax < 0.6 checks it strictly (a list of results needs a list of shardings, not a tuple).
+    """
+    return jax.tree.unflatten(jax.tree.structure(result_shape), shardings)
 
 
 def _named(mesh, mapping, chosen) -> NamedSharding:

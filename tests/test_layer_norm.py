@@ -14,11 +14,13 @@ DTYPES = FLOAT_DTYPES
 # full warps with 2/4/8 packs per lane (<= 1024), one block per row with the row in shared
 # memory, odd lengths that cannot use 16-byte packs.
 # On the CPU every length runs the same C++ loop, so a few lengths suffice there.
-COLS = ([1, 3, 4, 8, 17, 32, 100, 256, 1000, 1024, 1536, 4100, 8192] if ON_GPU
+# 4096 (backward, 16-bit dtypes) and 12288 (forward, float32) ask for exactly 48 KB of dynamic
+# shared memory on top of the kernels' static scratch: the opt-in boundary.
+COLS = ([1, 3, 4, 8, 17, 32, 100, 256, 1000, 1024, 1536, 4100, 8192, 12288] if ON_GPU
         else [1, 4, 17, 256, 1000, 4100])
 # Enough rows that the backward splits groups into many workspace slots (> 256 rows).
 ROWS = {1: 300, 3: 300, 4: 300, 8: 300, 17: 70, 32: 300, 100: 33, 256: 300, 1000: 5, 1024: 260,
-        1536: 3, 4100: 2, 8192: 3}
+        1536: 3, 4096: 3, 4100: 2, 8192: 3, 12288: 2}
 
 
 def ln_ref(x, scale, bias, epsilon=1e-5):
@@ -145,7 +147,7 @@ def _loss_fns(ln, rms, x):
     return ln_loss, rms_loss
 
 
-@pytest.mark.parametrize("cols", [1, 4, 17, 32, 256, 1000, 1024, 4100] if ON_GPU else [1, 17, 256, 4100])
+@pytest.mark.parametrize("cols", [1, 4, 17, 32, 256, 1000, 1024, 4096, 4100] if ON_GPU else [1, 17, 256, 4100])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grads_match_reference(key, cols, dtype):
     skip_x64(dtype)
@@ -165,6 +167,22 @@ def test_grads_match_reference(key, cols, dtype):
     want = jax.grad(rms_r, (0, 1))(x, scale)
     for g, w in zip(got, want):
         close(g, w, dtype, factor)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_column_dx_is_exactly_zero(key, dtype):
+    # x - mean is exactly 0 for a single column, so dx must be exactly 0 (not rounding noise
+    # amplified by rstd = 1/sqrt(epsilon)); dbias is dy and dscale 0.
+    skip_x64(dtype)
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (300, 1), dtype) + jnp.asarray(0.5, dtype)
+    scale, bias = params(k2, 1, dtype)
+    ln, _ = _loss_fns(jaxops.layer_norm, jaxops.rms_norm, x)
+    dx, dscale, dbias = jax.jit(jax.grad(ln, (0, 1, 2)))(x, scale, bias)
+    np.testing.assert_array_equal(np.asarray(dx.astype(jnp.float32)), 0.0)
+    np.testing.assert_array_equal(np.asarray(dscale.astype(jnp.float32)), 0.0)
+    ln_r, _ = _loss_fns(ln_ref, rms_ref, x)
+    close(dbias, jax.grad(ln_r, 2)(x, scale, bias), dtype)
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (2, 3, 33), (300, 8), (4, 130)])

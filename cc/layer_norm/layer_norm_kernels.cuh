@@ -270,6 +270,14 @@ __device__ __forceinline__ acc_t<T>* slot_ptr(const BackwardArgs& a, int64_t g, 
   return static_cast<acc_t<T>*>(a.workspace) + (g * a.slots_per_group + j) * per_slot;
 }
 
+// g = dy * scale rounded once, the same value in the row sums and in dx. A plain `d * s - mg`
+// is contracted by nvcc into fma(d, s, -mg), which subtracts the rounded mean(g) from the
+// *unrounded* product: with one column (g == mean(g), xhat == 0) dx came out as the product's
+// rounding error times rstd (~1e-5 for rstd = 1/sqrt(eps)) instead of exactly 0, and in
+// general the row sums and dx disagreed by one rounding. The CPU twin rounds g the same way.
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
 // Per-row sums of g and g * xhat over one pack.
 template <class T, int kPack>
 __device__ __forceinline__ void pack_sums(const Pack<T, kPack>& xp, const Pack<T, kPack>& dp,
@@ -279,7 +287,7 @@ __device__ __forceinline__ void pack_sums(const Pack<T, kPack>& xp, const Pack<T
 #pragma unroll
   for (int e = 0; e < kPack; ++e) {
     const A xhat = (to_acc(xp.v[e]) - mean) * rstd;
-    const A gv = to_acc(dp.v[e]) * to_acc(sp.v[e]);
+    const A gv = mul_rn(to_acc(dp.v[e]), to_acc(sp.v[e]));
     sum_g += gv;
     sum_gx += gv * xhat;
   }
@@ -297,7 +305,7 @@ __device__ __forceinline__ Pack<T, kPack> pack_dx(const Pack<T, kPack>& xp, cons
   for (int e = 0; e < kPack; ++e) {
     const A xhat = (to_acc(xp.v[e]) - mean) * rstd;
     const A d = to_acc(dp.v[e]);
-    out.v[e] = from_acc<T>(rstd * (d * to_acc(sp.v[e]) - mg - xhat * mgx));
+    out.v[e] = from_acc<T>(rstd * ((mul_rn(d, to_acc(sp.v[e])) - mg) - xhat * mgx));
     acc_scale[e] += d * xhat;
     if (acc_bias) acc_bias[e] += d;
   }
