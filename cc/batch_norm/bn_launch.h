@@ -9,8 +9,8 @@
 
 namespace jaxops::batch_norm {
 
-// mean / biased var per channel: column partials (Welford) per row block into `ws`
-// ((G, cap, 3, C)), then a fixed-order Chan merge. Deterministic.
+// mean / biased var per channel: column partials (sum, Welford mean, M2 of x minus a per-channel
+// pivot) per row block into `ws` ((G, cap, 3, C)), then a fixed-order Chan merge. Deterministic.
 cudaError_t stats_cuda(cudaStream_t stream, const View& v, const void* x, void* mean, void* var, void* ws,
                        int64_t cap);
 

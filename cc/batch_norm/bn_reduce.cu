@@ -1,5 +1,5 @@
 // Per-channel column reductions of batch_norm over (G, R, C) channel-last data:
-//   forward  — count/mean/M2 (Welford per thread, Chan merges after),
+//   forward  — sum/mean/M2 of x - pivot (Welford per thread, Chan merges after; see below),
 //   backward — sum(dy') and sum(dy' * (x - mean)), dy' = dy masked by the relu bit.
 //
 // Pass 1: a block owns a tile of rows x channels of one group. Lanes run along C with 16-byte
@@ -80,6 +80,26 @@ __device__ __forceinline__ int tree_start(int n) {
 }
 
 // ---------------------------------------------------------------- forward statistics
+//
+// Accuracy: every value is shifted by a per-(group, channel) pivot, the channel's first-row
+// value, before it is accumulated. With mean 1e4 and std 0.1 an unshifted float32 Welford mean
+// sits at 1e4, where one ulp is 1e-3 (1% of a std): late updates d/n round away and the mean
+// drifts by about an ulp. Shifted, the accumulators hold values of the order of the spread, so
+// the only rounding of the order of ulp(mean) left is the final `pivot + shifted mean` (as in
+// the CPU twin's float64 -> float32 cast).
+// Non-finite values: a Welford mean turns one inf into NaN (its next update is inf - inf), but
+// jnp.mean gives inf. So a plain sum of x - pivot rides along; when it is not finite the mean is
+// `pivot + sum / n` (inf for infs of one sign, NaN for +inf with -inf or a NaN, like jnp.mean),
+// else the Welford mean is used. M2 is NaN whenever the channel holds a non-finite value, like
+// the reference's mean((x - mean)^2). A non-finite pivot is replaced by 0 so that it cannot
+// poison the finite values.
+// Workspace slot of a row block, per channel: [0] sum(x - pivot), [1] Welford mean of x - pivot,
+// [2] M2. The count of a row block follows from the tiling, so it is not stored.
+
+template <class A>
+__device__ __forceinline__ A pivot_of(A first) {
+  return isfinite(first) ? first : A(0);
+}
 
 template <class T, int P>
 __global__ void __launch_bounds__(kThreads)
@@ -87,14 +107,18 @@ stats_partial_kernel(const T* __restrict__ x, acc_t<T>* __restrict__ ws, int64_t
                      int64_t cap) {
   using A = acc_t<T>;
   __shared__ A s_n[kThreads];
+  __shared__ A s_sum[kThreads * P];
   __shared__ A s_mean[kThreads * P];
   __shared__ A s_m2[kThreads * P];
   const BlockPos b = block_pos(t, R, C);
-  A n = 0, mean[P], m2[P];
+  A n = 0, sum[P], mean[P], m2[P], piv[P];
 #pragma unroll
-  for (int k = 0; k < P; ++k) mean[k] = m2[k] = 0;
+  for (int k = 0; k < P; ++k) sum[k] = mean[k] = m2[k] = piv[k] = 0;
   if (b.active) {
     const T* xg = x + b.g * R * C + b.c0;
+    const cuda::Pack<T, P> first = cuda::load_pack<T, P>(xg);  // row 0 of the group: the pivots
+#pragma unroll
+    for (int k = 0; k < P; ++k) piv[k] = pivot_of(to_acc(first.v[k]));
     for (int64_t r = b.r0 + b.ty; r < b.r1; r += int64_t(t.ty) * kUnroll) {
       cuda::Pack<T, P> v[kUnroll];
 #pragma unroll
@@ -107,7 +131,8 @@ stats_partial_kernel(const T* __restrict__ x, acc_t<T>* __restrict__ ws, int64_t
         const A rn = A(1) / n;  // one division per row, shared by the P channels
 #pragma unroll
         for (int k = 0; k < P; ++k) {
-          const A xv = to_acc(v[u].v[k]);
+          const A xv = to_acc(v[u].v[k]) - piv[k];
+          sum[k] += xv;
           const A d = xv - mean[k];
           mean[k] += d * rn;
           m2[k] += d * (xv - mean[k]);
@@ -119,6 +144,7 @@ stats_partial_kernel(const T* __restrict__ x, acc_t<T>* __restrict__ ws, int64_t
   s_n[tid] = n;
 #pragma unroll
   for (int k = 0; k < P; ++k) {
+    s_sum[tid * P + k] = sum[k];
     s_mean[tid * P + k] = mean[k];
     s_m2[tid * P + k] = m2[k];
   }
@@ -131,6 +157,7 @@ stats_partial_kernel(const T* __restrict__ x, acc_t<T>* __restrict__ ws, int64_t
       for (int k = 0; k < P; ++k) {
         A nn = s_n[tid];
         chan_merge(nn, s_mean[tid * P + k], s_m2[tid * P + k], nb, s_mean[o * P + k], s_m2[o * P + k]);
+        s_sum[tid * P + k] += s_sum[o * P + k];
         if (k == P - 1) s_n[tid] = nn;
       }
     }
@@ -139,32 +166,45 @@ stats_partial_kernel(const T* __restrict__ x, acc_t<T>* __restrict__ ws, int64_t
     A* out = ws + (b.g * cap + b.rb) * 3 * C + b.c0;
 #pragma unroll
     for (int k = 0; k < P; ++k) {
-      out[k] = s_n[tid];
+      out[k] = s_sum[tid * P + k];
       out[C + k] = s_mean[tid * P + k];
       out[2 * C + k] = s_m2[tid * P + k];
     }
   }
 }
 
-template <class A>
-__global__ void stats_merge_kernel(const A* __restrict__ ws, A* __restrict__ mean, A* __restrict__ var,
-                                   int64_t G, int64_t C, int64_t nrb, int64_t cap) {
+// One warp per (group, channel): folds the row blocks' partials in a fixed order, then adds the
+// pivot back (the only rounding of the order of ulp(mean)).
+template <class T>
+__global__ void stats_merge_kernel(const T* __restrict__ x, const acc_t<T>* __restrict__ ws,
+                                   acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ var, int64_t G,
+                                   int64_t R, int64_t C, int64_t nrb, int64_t rpb, int64_t cap) {
+  using A = acc_t<T>;
   const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (w >= G * C) return;  // whole warps leave together
   const int64_t g = w / C, c = w - g * C;
   const A* p = ws + g * cap * 3 * C + c;
-  A n = 0, m = 0, m2 = 0;
-  for (int64_t j = lane; j < nrb; j += 32) chan_merge(n, m, m2, p[j * 3 * C], p[j * 3 * C + C], p[j * 3 * C + 2 * C]);
+  A n = 0, s = 0, m = 0, m2 = 0;
+  for (int64_t j = lane; j < nrb; j += 32) {
+    const A nj = static_cast<A>(min(rpb, R - j * rpb));  // rows of row block j (plan(): all > 0)
+    chan_merge(n, m, m2, nj, p[j * 3 * C + C], p[j * 3 * C + 2 * C]);
+    s += p[j * 3 * C];
+  }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) {
     const A nb = __shfl_xor_sync(0xffffffffu, n, off);
+    const A sb = __shfl_xor_sync(0xffffffffu, s, off);
     const A mb = __shfl_xor_sync(0xffffffffu, m, off);
     const A m2b = __shfl_xor_sync(0xffffffffu, m2, off);
     chan_merge(n, m, m2, nb, mb, m2b);
+    s += sb;
   }
   if (lane == 0) {
-    mean[w] = m;
+    const A piv = pivot_of(to_acc(x[g * R * C + c]));
+    // Finite data: the Welford mean (its error scales with the spread, not with |mean - pivot|).
+    // Otherwise the plain sum gives jnp.mean's inf/NaN.
+    mean[w] = piv + (isfinite(s) ? m : s / n);
     var[w] = m2 / n;
   }
 }
@@ -283,8 +323,9 @@ cudaError_t stats_cuda(cudaStream_t stream, const View& v, const void* x, void* 
     else
       stats_partial_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<A*>(ws),
                                                                   v.rows, v.channels, t, cap);
-    stats_merge_kernel<A><<<merge_blocks(v.groups * v.channels), 256, 0, stream>>>(
-        static_cast<const A*>(ws), static_cast<A*>(mean), static_cast<A*>(var), v.groups, v.channels, t.nrb, cap);
+    stats_merge_kernel<T><<<merge_blocks(v.groups * v.channels), 256, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const A*>(ws), static_cast<A*>(mean), static_cast<A*>(var),
+        v.groups, v.rows, v.channels, t.nrb, t.rpb, cap);
   });
   return cudaGetLastError();
 }
