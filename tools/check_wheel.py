@@ -115,6 +115,12 @@ def full_tests(python: str, pytest_args: list[str]) -> int:
     # A copy of tests/ outside the tree, so `import jaxops` can only find the installed wheel.
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(tmp, "tests"))
+        # The tests read the project's tools, headers, sources and metadata; the package itself
+        # (jaxops/) stays behind so only the installed wheel can be imported.
+        for name in ("tools", "third_party", "cc"):
+            shutil.copytree(os.path.join(ROOT, name), os.path.join(tmp, name))
+        for name in ("README.md", "pyproject.toml"):
+            shutil.copy(os.path.join(ROOT, name), os.path.join(tmp, name))
         cmd = [python, "-E", "-s", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", *pytest_args]
         print("+", " ".join(cmd), flush=True)
         return subprocess.run(cmd, cwd=tmp, env=_clean_env()).returncode
