@@ -109,7 +109,8 @@ def ffi_call(
 ) -> Any:
     """Calls FFI target `target` on behalf of public function `fn_name`.
 
-    Integer and boolean attributes are passed as 64-bit integers, floats as float32.
+    Integer and boolean attributes are passed as 64-bit integers, floats as float64 (handlers
+    read them with ``Attr<double>``, so float64 inputs see the exact value).
     """
     _check_backend(fn_name)
     converted = {}
@@ -117,7 +118,7 @@ def ffi_call(
         if isinstance(value, (bool, np.bool_, int, np.integer)):
             converted[key] = np.int64(value)
         elif isinstance(value, (float, np.floating)):
-            converted[key] = np.float32(value)
+            converted[key] = np.float64(value)
         else:
             converted[key] = value
     call = jax.ffi.ffi_call(target, results, vmap_method=vmap_method)

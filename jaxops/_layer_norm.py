@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxops._checks import check_float
-from jaxops._ffi import _check_backend, ffi_call
+from jaxops._ffi import ffi_call
 from jaxops._sharding import row_axes, rows_rule, sharded_call
 
 __all__ = ["layer_norm", "rms_norm"]
@@ -152,11 +152,7 @@ def _workspace_shape(x, nacc: int):
 
 
 def _forward_call(fn, target, results, *args, epsilon):
-    # jaxops._ffi.ffi_call passes float attributes as float32; epsilon goes as float64 so that
-    # float64 inputs see its exact value (gradients near cancellation are proportional to it).
-    _check_backend(fn)
-    call = jax.ffi.ffi_call(target, results, vmap_method="broadcast_all")
-    return call(*args, epsilon=np.float64(epsilon))
+    return ffi_call(fn, target, results, *args, epsilon=float(epsilon))
 
 
 def _ln_forward_block(x, scale, bias, epsilon):

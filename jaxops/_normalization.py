@@ -184,11 +184,6 @@ def _axis_names(axis_name) -> tuple:
 # batch_norm: FFI calls on the (R, C) view (leading vmap dims are handled by the kernels)
 
 
-def _eps_bits(eps: float) -> int:
-    """epsilon as the bits of a float64 (float attributes would be rounded to float32)."""
-    return int(np.float64(eps).view(np.int64))
-
-
 def _row_block_cap(rows: int) -> int:
     return max(1, min(_MAX_ROW_BLOCKS, -(-rows // 32)))
 
@@ -211,7 +206,7 @@ def _apply_call(x2, scale, bias, mean, var, res2, eps, relu_on, with_mask):
     y, mask, _ = ffi_call("batch_norm", "jaxops_bn_apply",
                           (jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((words,), jnp.uint32),
                            jax.ShapeDtypeStruct((4, c), sd)),
-                          x2, scale, bias, mean, var, res_arg, eps_bits=_eps_bits(eps), relu=relu_on,
+                          x2, scale, bias, mean, var, res_arg, epsilon=float(eps), relu=relu_on,
                           with_mask=with_mask, has_residual=has_res)
     return y, mask
 
@@ -223,7 +218,7 @@ def _backward_sums(dy2, x2, mask, mean, var, eps, relu_on):
     sum_dy, sum_dyxhat, _ = ffi_call("batch_norm", "jaxops_bn_bwd_reduce",
                                      (jax.ShapeDtypeStruct((c,), sd), jax.ShapeDtypeStruct((c,), sd),
                                       jax.ShapeDtypeStruct((_row_block_cap(rows), 2, c), sd)),
-                                     dy2, x2, m, mean, var, eps_bits=_eps_bits(eps), relu=relu_on)
+                                     dy2, x2, m, mean, var, epsilon=float(eps), relu=relu_on)
     return sum_dy, sum_dyxhat
 
 
@@ -237,7 +232,7 @@ def _backward_dx(dy2, x2, mask, scale, mean, var, sum_dy, sum_dyxhat, dmean, dva
                            (jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct(dres_shape, x2.dtype),
                             jax.ShapeDtypeStruct((4, c), sd)),
                            dy2, x2, m, scale, mean, var, sum_dy, sum_dyxhat, dmean, dvar,
-                           eps_bits=_eps_bits(eps), relu=relu_on, has_residual=has_res, train=train, count=int(count))
+                           epsilon=float(eps), relu=relu_on, has_residual=has_res, train=train, count=int(count))
     return dx, (dres if has_res else None)
 
 

@@ -7,7 +7,6 @@
 // holds ceil(R*C/32) uint32 words per group, bit j of word i = element 32i+j of the group.
 #pragma once
 #include <cstdint>
-#include <cstring>
 #include <string>
 
 #include "batch_norm/bn_view.h"
@@ -73,14 +72,6 @@ inline ffi::Error check_workspace(const char* op, const ffi::AnyBuffer& x, const
   if (d[d.size() - 2] != k || d[d.size() - 3] < 1) return invalid_argument(op, "workspace has the wrong shape");
   *cap = d[d.size() - 3];
   return ffi::Error::Success();
-}
-
-// epsilon travels as the bits of a float64 (jaxops._ffi passes float attributes as float32,
-// which would perturb float64 results by ~1e-8 relative when the variance is small).
-inline double eps_from_bits(int64_t bits) {
-  double eps;
-  std::memcpy(&eps, &bits, sizeof eps);
-  return eps;
 }
 
 inline ffi::Error check_eps(const char* op, double eps) {

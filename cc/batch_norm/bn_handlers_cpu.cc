@@ -18,10 +18,9 @@ ffi::Error StatsCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> mean, ffi::Res
 
 ffi::Error ApplyCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::AnyBuffer mean,
                     ffi::AnyBuffer var, ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> y,
-                    ffi::Result<ffi::AnyBuffer> mask, ffi::Result<ffi::AnyBuffer> coef, int64_t eps_bits,
+                    ffi::Result<ffi::AnyBuffer> mask, ffi::Result<ffi::AnyBuffer> coef, double eps,
                     int64_t relu, int64_t with_mask, int64_t has_residual) {
   View v;
-  const double eps = eps_from_bits(eps_bits);
   if (auto err = check_apply(x, scale, bias, mean, var, residual, *y, *mask, *coef, eps, relu, with_mask,
                              has_residual, &v);
       err.failure())
@@ -36,9 +35,8 @@ ffi::Error ApplyCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
 ffi::Error BackwardReduceCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::AnyBuffer mean,
                              ffi::AnyBuffer var, ffi::Result<ffi::AnyBuffer> sum_dy,
                              ffi::Result<ffi::AnyBuffer> sum_dyxhat, ffi::Result<ffi::AnyBuffer> ws,
-                             int64_t eps_bits, int64_t relu) {
+                             double eps, int64_t relu) {
   View v;
-  const double eps = eps_from_bits(eps_bits);
   int64_t cap = 0;
   if (auto err = check_backward_reduce(dy, x, mask, mean, var, *sum_dy, *sum_dyxhat, *ws, eps, relu != 0,
                                        &v, &cap);
@@ -55,10 +53,9 @@ ffi::Error BackwardDxCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mas
                          ffi::AnyBuffer mean, ffi::AnyBuffer var, ffi::AnyBuffer sum_dy,
                          ffi::AnyBuffer sum_dyxhat, ffi::AnyBuffer dmean, ffi::AnyBuffer dvar,
                          ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dres,
-                         ffi::Result<ffi::AnyBuffer> coef, int64_t eps_bits, int64_t relu, int64_t has_residual,
+                         ffi::Result<ffi::AnyBuffer> coef, double eps, int64_t relu, int64_t has_residual,
                          int64_t train, int64_t count) {
   View v;
-  const double eps = eps_from_bits(eps_bits);
   const ffi::AnyBuffer* pc[7] = {&scale, &mean, &var, &sum_dy, &sum_dyxhat, &dmean, &dvar};
   if (auto err = check_backward_dx(dy, x, mask, pc, *dx, *dres, *coef, eps, relu != 0, has_residual != 0,
                                    count, &v);
@@ -92,7 +89,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormApplyCpu, ApplyCpu,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("eps_bits")
+                                  .Attr<double>("epsilon")
                                   .Attr<int64_t>("relu")
                                   .Attr<int64_t>("with_mask")
                                   .Attr<int64_t>("has_residual"));
@@ -106,7 +103,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardReduceCpu, BackwardReduceCpu,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("eps_bits")
+                                  .Attr<double>("epsilon")
                                   .Attr<int64_t>("relu"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardDxCpu, BackwardDxCpu,
                               ffi::Ffi::Bind()
@@ -123,7 +120,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardDxCpu, BackwardDxCpu,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("eps_bits")
+                                  .Attr<double>("epsilon")
                                   .Attr<int64_t>("relu")
                                   .Attr<int64_t>("has_residual")
                                   .Attr<int64_t>("train")
