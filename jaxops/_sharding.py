@@ -135,6 +135,8 @@ class Rule:
                     fs = [f for f in d if sizes.get(f) != 1] or [d[0]]
                     if len(fs) > 1:
                         kept |= set(fs)
+                    else:  # a compound left with one factor is written as a whole dim
+                        plain |= set(fs)
         return {f: n for f, n in sizes.items() if f in kept and f not in plain}
 
 

@@ -374,12 +374,13 @@ def knn_refs_sharded_local_top_k_then_merge():
     q, r = _integer_points(30, (24, 8)), _integer_points(31, (256, 8))
     r = r.at[200, 3].set(jnp.nan)
     nd = len(devices())
-    for k, spec in ((5, P("x", None)), (40, P(("x", "y"), None))):  # 40 > 256 / 8 refs a device
+    k_big = 256 // nd + 8  # more than the 256 / nd references a device holds (40 on 8 devices)
+    for k, spec in ((5, P("x", None)), (k_big, P(("x", "y"), None))):
         f = lambda q, r: knn(q, r, k)  # noqa: E731,B023
         want = _knn_ref(q, r, k)
         k_local = min(k, 256 // (nd if spec == P(("x", "y"), None) else nd // 2))
         d, i = check_sharded(f, [q, r], [P(), spec], exact_single=True, max_gather=10**9,
-                             gathers={24 * k_local * (nd if k == 40 else nd // 2)} if nd == 8 else None)
+                             gathers={24 * k_local * (nd if k == k_big else nd // 2)} if nd == 8 else None)
         np.testing.assert_array_equal(np.asarray(i), want[1])
         np.testing.assert_allclose(np.asarray(d), want[0], rtol=1e-6)
 
@@ -561,8 +562,6 @@ def batch_norm_grad_sharded():
     jax, jnp, np, _, P, _ = _env()
     bn = op("batch_norm")
     dt = "float64" if jax.config.jax_enable_x64 else "float32"
-    x, res, t = normal(60, (16, 2, 2, 32), dt), normal(61, (16, 2, 2, 32), dt), normal(62, (16, 2, 2, 32), dt)
-    s, b = 1 + 0.1 * normal(63, (32,), dt), 0.1 * normal(64, (32,), dt)
 
     def loss(f):
         def fn(x, s, b, r, t):
@@ -574,8 +573,12 @@ def batch_norm_grad_sharded():
     gr = loss(lambda x, s, b, r: _bn_ref(x, s, b, r, relu=True))
     spec = P(("x", "y"), None, None, None)
     n = len(devices())
-    check_sharded(g, [x, s, b, res, t], [spec, P(), P(), spec, spec], ref=gr, rtol=1e-7, atol=1e-7,
-                  targets=["jaxops_bn_bwd_dx"], local_numel=x.size // n if n == 8 else None)
+    # C=32: one mask word per pixel; C=64: two (the mask's word axis is then a compound factor)
+    for c in (32, 64):
+        x, res, t = (normal(60 + i, (16, 2, 2, c), dt) for i in range(3))
+        s, b = 1 + 0.1 * normal(63, (c,), dt), 0.1 * normal(64, (c,), dt)
+        check_sharded(g, [x, s, b, res, t], [spec, P(), P(), spec, spec], ref=gr, rtol=1e-7, atol=1e-7,
+                      targets=["jaxops_bn_bwd_dx"], local_numel=x.size // n if n == 8 else None)
 
 
 @case
