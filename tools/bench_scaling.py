@@ -68,6 +68,9 @@ class Case:
     flops: float = 0.0  # for compute-bound cases (knn)
     max_gather: int = 0  # largest all-gather (elements) the sharded program may contain
     index_mismatch: float = 0.0  # fraction of integer outputs allowed to differ (near ties)
+    # fraction of float outputs allowed beyond tolerance: relu's mask flips for the few elements
+    # whose pre-activation is within rounding of 0 once statistics are summed in another order
+    float_mismatch: float = 0.0
 
     def est_seconds(self) -> float:
         return max(self.nbytes / HBM_BYTES_PER_S, self.flops / F32_FLOPS)
@@ -109,7 +112,7 @@ def cases(scale: float, n_dev: int) -> list[Case]:
         lambda x, s, b: jnp.sum(bn(x, s, b, activation="relu")[0]), argnums=(0, 1, 2))
     out.append(Case("batch_norm_fwd_bwd", train, lambda k: (_normal(k, shape), *_params(k, 64)),
                     (P("d", None, None, None), P(), P()), "x".join(map(str, shape)), "float32",
-                    5 * size * 4))
+                    5 * size * 4, float_mismatch=1e-6))
     # Exact knn, references split: 4096 x 2^21 x 128 is 2.2 TFLOP (~75 ms on one GPU).
     m, n, d, k = r(4096), r(2 ** 21), 128, 32
     out.append(Case("knn", None if knn is None else (lambda q, x: knn(q, x, k)),
@@ -131,6 +134,14 @@ def gather_sizes(hlo: str) -> list[int]:
     return sizes
 
 
+def _first_shard(a, spec, n_dev: int):
+    """Device 0's block of `a` under `spec` (only the mesh axis "d" splits anything here)."""
+    for axis, name in enumerate(tuple(spec)):
+        if name == "d":
+            return jax.lax.slice_in_dim(a, 0, a.shape[axis] // n_dev, axis=axis)
+    return a
+
+
 def _nbytes(tree) -> int:
     return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
@@ -149,7 +160,7 @@ def _time(compiled, sets, calls: int, repeats: int):
     return float(np.median(samples)), outs
 
 
-def compare(y1, yn, device, index_mismatch: float) -> tuple[bool, str]:
+def compare(y1, yn, device, index_mismatch: float, float_mismatch: float = 0.0) -> tuple[bool, str]:
     """Sharded outputs `yn` against single-device `y1`, computed on `device` (no host copies)."""
     ok, notes = True, []
     for a, b in zip(jax.tree.leaves(y1), jax.tree.leaves(yn)):
@@ -161,10 +172,12 @@ def compare(y1, yn, device, index_mismatch: float) -> tuple[bool, str]:
             a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
             both_nan = jnp.isnan(a32) & jnp.isnan(b32)
             diff = jnp.where(both_nan, 0.0, jnp.abs(a32 - b32))
-            worst = float(jnp.max(diff / (tol + tol * jnp.abs(a32)), initial=0.0))
+            rel = diff / (tol + tol * jnp.abs(a32))
+            worst = float(jnp.max(rel, initial=0.0))
             worst = math.inf if math.isnan(worst) else worst
-            ok &= worst <= 1.0
-            notes.append(f"max|d|={float(jnp.max(diff, initial=0.0)):.2g}")
+            off = int(jnp.sum(~(rel <= 1.0)))
+            ok &= worst <= 1.0 or off <= float_mismatch * a.size
+            notes.append(f"max|d|={float(jnp.max(diff, initial=0.0)):.2g}" + (f" ({off} off)" if off else ""))
         else:
             bad = int(jnp.sum(a != b))
             ok &= bad <= index_mismatch * a.size
@@ -194,6 +207,13 @@ def run_case(c: Case, mesh, repeats: int, copies: int, inner: int | None) -> dic
     t1, outs = _time(compiled1, one, calls, repeats)
     y1 = outs[0]
     del outs, compiled1
+    # One device on its share of the problem (each input cut along its sharded axis): tells
+    # the kernels' own scaling (t1 / t_local) from the cost of running on several devices
+    # (tn / t_local).
+    local = [tuple(_first_shard(a, sp, n_dev) for a, sp in zip(s, c.specs)) for s in one]
+    compiled_local = program.lower(*local).compile()
+    t_local, _ = _time(compiled_local, local, calls, repeats)
+    del local, compiled_local
 
     many = [tuple(jax.device_put(a, NamedSharding(mesh, sp)) for a, sp in zip(s, c.specs))
             for s in one]
@@ -206,33 +226,34 @@ def run_case(c: Case, mesh, repeats: int, copies: int, inner: int | None) -> dic
     tn, outs = _time(compiledn, many, calls, repeats)
     yn = outs[0]
     del outs, many, compiledn
-    same, detail = compare(y1, yn, dev0, c.index_mismatch)
+    same, detail = compare(y1, yn, dev0, c.index_mismatch, c.float_mismatch)
     target = 0.9 * n_dev
     row = {"op": c.name, "shape": c.shape, "dtype": c.dtype, "devices": n_dev,
            "calls_per_dispatch": calls, "t1_ms": t1 * 1e3, "tn_ms": tn * 1e3,
-           "speedup": t1 / tn, "target": target, "meets_target": t1 / tn >= target,
+           "t_local_ms": t_local * 1e3, "speedup": t1 / tn, "target": target, "meets_target": t1 / tn >= target,
            "tb_s_1": c.nbytes / t1 / 1e12, "tb_s_n": c.nbytes / tn / 1e12,
            "tflop_s_1": c.flops / t1 / 1e12 if c.flops else None,
            "same_as_single": same, "compare": detail,
            "large_all_gathers": big, "all_gathers": sorted(set(gathers)), "error": None}
     log(f"{c.name}: 1 dev {t1 * 1e3:.3f} ms, {n_dev} dev {tn * 1e3:.3f} ms, x{t1 / tn:.2f} "
+        f"(1 dev on a 1/{n_dev} share {t_local * 1e3:.3f} ms) "
         f"(target {target:.1f}), same={same} ({detail}), large gathers={big or 'none'}")
     return row
 
 
 def table(rows: list[dict], device: str, n_dev: int) -> str:
     lines = [f"| op | shape | dtype | 1 x {device} (ms) | {n_dev} x (ms) | throughput ratio | "
-             f"target | meets | same result | large all-gathers |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"target | meets | same result | large all-gathers | 1 x on a 1/{n_dev} share (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["error"]:
             lines.append(f"| {r['op']} | {r['shape']} | {r['dtype']} | ERROR: {r['error']} |"
-                         " | | | | | |")
+                         " | | | | | | |")
             continue
         lines.append(f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['t1_ms']:.3f} | "
                      f"{r['tn_ms']:.3f} | {r['speedup']:.2f} | {r['target']:.1f} | "
                      f"{'yes' if r['meets_target'] else 'NO'} | {r['same_as_single']} | "
-                     f"{r['large_all_gathers'] or 'none'} |")
+                     f"{r['large_all_gathers'] or 'none'} | {r['t_local_ms']:.3f} |")
     return "\n".join(lines)
 
 
