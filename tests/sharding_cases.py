@@ -533,6 +533,11 @@ def relu_sharded_fwd_grad():
     check_sharded(relu, [x], [P("x", None)], ref=jax.nn.relu)  # no mask: split, no gather
 
 
+def _stats_gather(c: int) -> int:
+    """SyncBatchNorm's only all-gather: every device's (mean, var) of c channels."""
+    return len(devices()) * 2 * c
+
+
 @case
 def batch_norm_sync_stats_sharded():
     # SyncBatchNorm: batch split over devices, statistics global (== one device), only (C,)
@@ -548,13 +553,14 @@ def batch_norm_sync_stats_sharded():
         spec = P(("x", "y"), None, None, None)
         n = len(devices())
         check_sharded(f, [x, s, b, res], [spec, P(), P(), spec], ref=ref, rtol=1e-5, atol=1e-5,
-                      targets=["jaxops_bn_apply"], local_numel=x.size // n if n == 8 else None)
+                      targets=["jaxops_bn_apply"], local_numel=x.size // n if n == 8 else None,
+                      max_gather=_stats_gather(c))
     # NCHW (channel axis 1), no activation, batch split on "x" only.
     x = normal(56, (8, 16, 4, 4))
     s, b = 1 + 0.1 * normal(57, (16,)), 0.1 * normal(58, (16,))
     f = lambda x, s, b: bn(x, s, b, axis=1)  # noqa: E731
     check_sharded(f, [x, s, b], [P("x", None, None, None), P(), P()], rtol=1e-5, atol=1e-5,
-                  ref=lambda x, s, b: _bn_ref(x, s, b, axis=1))
+                  ref=lambda x, s, b: _bn_ref(x, s, b, axis=1), max_gather=_stats_gather(16))
 
 
 @case
@@ -578,7 +584,8 @@ def batch_norm_grad_sharded():
         x, res, t = (normal(60 + i, (16, 2, 2, c), dt) for i in range(3))
         s, b = 1 + 0.1 * normal(63, (c,), dt), 0.1 * normal(64, (c,), dt)
         check_sharded(g, [x, s, b, res, t], [spec, P(), P(), spec, spec], ref=gr, rtol=1e-7, atol=1e-7,
-                      targets=["jaxops_bn_bwd_dx"], local_numel=x.size // n if n == 8 else None)
+                      targets=["jaxops_bn_bwd_dx"], local_numel=x.size // n if n == 8 else None,
+                      max_gather=_stats_gather(c))
 
 
 @case

@@ -106,13 +106,13 @@ def cases(scale: float, n_dev: int) -> list[Case]:
     bn_fwd = None if bn is None else (lambda x, s, b: bn(x, s, b, activation="relu"))
     out.append(Case("batch_norm", bn_fwd, lambda k: (_normal(k, shape), *_params(k, 64)),
                     (P("d", None, None, None), P(), P()), "x".join(map(str, shape)), "float32",
-                    2 * size * 4 + 4 * 64 * 4))
+                    2 * size * 4 + 4 * 64 * 4, max_gather=n_dev * 2 * 64))
     # Training step: forward and backward (gradients of x, scale and bias).
     train = None if bn is None else jax.grad(
         lambda x, s, b: jnp.sum(bn(x, s, b, activation="relu")[0]), argnums=(0, 1, 2))
     out.append(Case("batch_norm_fwd_bwd", train, lambda k: (_normal(k, shape), *_params(k, 64)),
                     (P("d", None, None, None), P(), P()), "x".join(map(str, shape)), "float32",
-                    5 * size * 4, float_mismatch=1e-6))
+                    5 * size * 4, max_gather=n_dev * 2 * 64, float_mismatch=1e-6))
     # Exact knn, references split: 4096 x 2^21 x 128 is 2.2 TFLOP (~75 ms on one GPU).
     m, n, d, k = r(4096), r(2 ** 21), 128, 32
     out.append(Case("knn", None if knn is None else (lambda q, x: knn(q, x, k)),
