@@ -2,8 +2,14 @@
 //   forward  — y = (x - mean) * a + b (+ residual), relu, and the bit mask;
 //   backward — dx = a * dy' + b * (x - mean) + c and dresidual = dy' (dy' = dy masked by the bit).
 // A tiny kernel first turns the per-channel inputs into one Coef record per channel
-// (bn_math.h), so the main kernel fetches one 16-byte record per element from L1/L2.
-// Warp-chunk layout (common/bitmask.cuh): 16-byte packs, each warp writes whole mask words.
+// (bn_math.h). Warp-chunk layout (common/bitmask.cuh): 16-byte packs, each warp writes whole
+// mask words.
+//
+// Coefficients in registers (kFixed, one group, i.e. not under vmap): the grid stride is chosen
+// as a multiple of C elements (fixed_grid), so every lane meets the same P channels on every
+// iteration and loads their records once. Fetching one 16-byte record per element instead
+// (the general path, kept for vmapped groups) costs 8 L1 wavefronts per bf16 pack and made
+// apply/dx L1-bound (session-2 profile: bf16 apply 19% of DRAM, "Memory" 93%).
 #include <algorithm>
 
 #include "batch_norm/bn_launch.h"
@@ -52,55 +58,93 @@ __device__ __forceinline__ void channels_of(int64_t e0, int64_t C, int64_t (&ch)
   }
 }
 
-template <class T, int P>
-__global__ void __launch_bounds__(kThreads)
+// The records of this lane's P channels for a grid-stride loop whose stride is a multiple of C
+// elements (kFixed): those of the warp's first chunk. Untouched when the warp has no chunk.
+template <class A, int P>
+__device__ __forceinline__ void lane_coefs(const Coef<A>* __restrict__ coef, int64_t C, int64_t chunks,
+                                           Coef<A> (&q)[P]) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (first >= chunks) return;
+  int64_t c = (first * 32 * P + static_cast<int64_t>(threadIdx.x % 32) * P) % C;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    q[k] = coef[c];
+    if (++c == C) c = 0;
+  }
+}
+
+// Chunks a warp loads before it processes them in apply_kernel: with one 16-byte load per lane
+// per chunk (no residual) and 4 blocks per SM (64 registers for bf16), one chunk leaves only
+// 16 KB in flight per SM; two give 32 KB, enough for DRAM's latency.
+constexpr int kApplyUnroll = 2;
+
+template <class T, int P, bool kFixed>
+__global__ void __launch_bounds__(kThreads, kFixed ? 4 : 1)  // kFixed bf16: 64 registers, 4 blocks per SM
 apply_kernel(const T* __restrict__ x, const T* __restrict__ res, const Coef<acc_t<T>>* __restrict__ coef,
              T* __restrict__ y, uint32_t* __restrict__ mask, int64_t L, int64_t C, int64_t chunks_per_row,
              int64_t chunks, int64_t wpg, bool vec, bool relu) {
   using A = acc_t<T>;
   const int lane = threadIdx.x % 32;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
-  // The loop bound is per warp, so the warp collective below always sees all 32 lanes.
-  for (int64_t chunk = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; chunk < chunks;
-       chunk += stride) {
-    const cuda::WarpChunk c = cuda::warp_chunk<P>(chunk, chunks_per_row);
-    const int64_t base = c.row * L;
-    T v[P], r[P];
-    cuda::load_run<T, P>(x + base, c.c0, L, vec, v);
-    if (res) cuda::load_run<T, P>(res + base, c.c0, L, vec, r);
-    int64_t ch[P];
-    channels_of<P>(c.c0, C, ch);
-    const Coef<A>* cg = coef + c.row * C;
-    uint32_t bits = 0;
+  Coef<A> q[kFixed ? P : 1];
+  if constexpr (kFixed) lane_coefs<A, P>(coef, C, chunks, q);
+  // The loop bounds are per warp, so the warp collective below always sees all 32 lanes. The
+  // warp's chunks are still first + i * stride (kFixed: the same channels for every i).
+  for (int64_t chunk0 = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; chunk0 < chunks;
+       chunk0 += stride * kApplyUnroll) {
+    T v[kApplyUnroll][P], r[kApplyUnroll][P];
 #pragma unroll
-    for (int k = 0; k < P; ++k) {
-      if (c.c0 + k >= L) continue;  // past the end: bit stays 0
-      const Coef<A> q = cg[ch[k]];
-      A z = (to_acc(v[k]) - q.shift) * q.a + q.b;
-      if (res) z += to_acc(r[k]);
-      if (relu) {
-        const bool pos = z > A(0);
-        bits |= static_cast<uint32_t>(pos) << k;
-        if (!(pos || z != z)) z = A(0);  // NaN propagates like jax.nn.relu
-      }
-      v[k] = from_acc<T>(z);
+    for (int u = 0; u < kApplyUnroll; ++u) {  // all loads first
+      const int64_t chunk = chunk0 + u * stride;
+      if (chunk >= chunks) break;
+      const cuda::WarpChunk c = cuda::warp_chunk<P>(chunk, chunks_per_row);
+      cuda::load_run<T, P>(x + c.row * L, c.c0, L, vec, v[u]);
+      if (res) cuda::load_run<T, P>(res + c.row * L, c.c0, L, vec, r[u]);
     }
-    cuda::store_run<T, P>(y + base, c.c0, L, vec, v);
-    if (wpg > 0) {
-      const uint32_t word = cuda::warp_mask_words<P>(bits);
-      const int64_t w = c.ch * P + lane;
-      if (lane < P && w < wpg) mask[c.row * wpg + w] = word;
+#pragma unroll
+    for (int u = 0; u < kApplyUnroll; ++u) {
+      const int64_t chunk = chunk0 + u * stride;
+      if (chunk >= chunks) break;  // warp-uniform
+      const cuda::WarpChunk c = cuda::warp_chunk<P>(chunk, chunks_per_row);
+      const int64_t base = c.row * L;
+      int64_t ch[P];
+      if constexpr (!kFixed) channels_of<P>(c.c0, C, ch);
+      const Coef<A>* cg = coef + c.row * C;
+      uint32_t bits = 0;
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        if (c.c0 + k >= L) continue;  // past the end: bit stays 0
+        Coef<A> qk;
+        if constexpr (kFixed) qk = q[k];
+        else qk = cg[ch[k]];
+        A z = (to_acc(v[u][k]) - qk.shift) * qk.a + qk.b;
+        if (res) z += to_acc(r[u][k]);
+        if (relu) {
+          const bool pos = z > A(0);
+          bits |= static_cast<uint32_t>(pos) << k;
+          if (!(pos || z != z)) z = A(0);  // NaN propagates like jax.nn.relu
+        }
+        v[u][k] = from_acc<T>(z);
+      }
+      cuda::store_run<T, P>(y + base, c.c0, L, vec, v[u]);
+      if (wpg > 0) {
+        const uint32_t word = cuda::warp_mask_words<P>(bits);
+        const int64_t w = c.ch * P + lane;
+        if (lane < P && w < wpg) mask[c.row * wpg + w] = word;
+      }
     }
   }
 }
 
-template <class T, int P>
-__global__ void __launch_bounds__(kThreads)
+template <class T, int P, bool kFixed>
+__global__ void __launch_bounds__(kThreads)  // (a 4-blocks-per-SM bound spills bf16 kFixed)
 dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* __restrict__ mask,
           const Coef<acc_t<T>>* __restrict__ coef, T* __restrict__ dx, T* __restrict__ dres, int64_t L,
           int64_t C, int64_t chunks_per_row, int64_t chunks, int64_t wpg, bool vec) {
   using A = acc_t<T>;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
+  Coef<A> q[kFixed ? P : 1];
+  if constexpr (kFixed) lane_coefs<A, P>(coef, C, chunks, q);
   for (int64_t chunk = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; chunk < chunks;
        chunk += stride) {
     const cuda::WarpChunk c = cuda::warp_chunk<P>(chunk, chunks_per_row);
@@ -112,13 +156,15 @@ dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* __r
     // c0 is a multiple of P and P divides 32: the lane's bits share one word.
     const uint32_t bits = mask ? cuda::mask_bits<P>(mask + c.row * wpg, c.c0) : ~0u;
     int64_t ch[P];
-    channels_of<P>(c.c0, C, ch);
+    if constexpr (!kFixed) channels_of<P>(c.c0, C, ch);
     const Coef<A>* cg = coef + c.row * C;
 #pragma unroll
     for (int k = 0; k < P; ++k) {
       if (!((bits >> k) & 1u)) g[k] = from_acc<T>(A(0));  // select: a masked NaN dy gives 0
-      const Coef<A> q = cg[ch[k]];
-      v[k] = from_acc<T>(q.a * to_acc(g[k]) + q.b * (to_acc(v[k]) - q.shift) + q.c);
+      Coef<A> qk;
+      if constexpr (kFixed) qk = q[k];
+      else qk = cg[ch[k]];
+      v[k] = from_acc<T>(qk.a * to_acc(g[k]) + qk.b * (to_acc(v[k]) - qk.shift) + qk.c);
     }
     cuda::store_run<T, P>(dx + base, c.c0, L, vec, v);
     if (dres) cuda::store_run<T, P>(dres + base, c.c0, L, vec, g);
@@ -132,6 +178,34 @@ cudaError_t chunk_grid(int64_t chunks, int* blocks) {
   if (cudaError_t err = cuda::device_info(&info)) return err;
   const int64_t needed = (chunks + kWarps - 1) / kWarps;
   *blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(needed, int64_t(info.sm_count) * 32)));
+  return cudaSuccess;
+}
+
+int64_t gcd64(int64_t a, int64_t b) {
+  while (b) {
+    const int64_t t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+
+// Grid of the register-coefficient path (one group of `chunks` chunks of 32*P elements, C
+// channels): the warp stride S = blocks * kWarps chunks must make S*32*P a multiple of C, i.e.
+// blocks a multiple of q = m / gcd(m, kWarps) with m = C / gcd(C, 32*P). With at most one chunk
+// per warp any grid works. Always possible: q <= C, far below the 2^31 grid limit.
+cudaError_t fixed_grid(int64_t chunks, int64_t C, int P, int* blocks) {
+  cuda::DeviceInfo info;
+  if (cudaError_t err = cuda::device_info(&info)) return err;
+  const int64_t needed = (chunks + kWarps - 1) / kWarps;
+  const int64_t target = int64_t(info.sm_count) * 32;
+  const int64_t m = C / gcd64(C, 32 * int64_t(P));
+  const int64_t q = m / gcd64(m, kWarps);
+  int64_t b;
+  if (needed <= target) b = needed;         // one chunk per warp at most
+  else if (q <= target) b = target / q * q;  // a few waves, stride a multiple of C
+  else b = std::min(needed, q);
+  *blocks = static_cast<int>(std::max<int64_t>(1, b));
   return cudaSuccess;
 }
 
@@ -152,8 +226,11 @@ cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const 
     const int64_t cpr = (L + 32 * P - 1) / (32 * P);
     const bool vec = L % P == 0 && aligned16(x) && aligned16(y) && (!residual || aligned16(residual));
     int blocks = 0;
-    if (cudaError_t err = chunk_grid(v.groups * cpr, &blocks)) return err;
-    apply_kernel<T, P><<<blocks, kThreads, 0, stream>>>(
+    const bool fixed = v.groups == 1;
+    if (cudaError_t err = fixed ? fixed_grid(cpr, v.channels, P, &blocks) : chunk_grid(v.groups * cpr, &blocks))
+      return err;
+    auto kernel = fixed ? apply_kernel<T, P, true> : apply_kernel<T, P, false>;
+    kernel<<<blocks, kThreads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const Coef<A>*>(coef),
         static_cast<T*>(y), mask, L, v.channels, cpr, v.groups * cpr, v.mask_words, vec, relu);
   });
@@ -175,8 +252,11 @@ cudaError_t backward_dx_cuda(cudaStream_t stream, const View& v, const void* dy,
     const int64_t cpr = (L + 32 * P - 1) / (32 * P);
     const bool vec = L % P == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) && (!dres || aligned16(dres));
     int blocks = 0;
-    if (cudaError_t err = chunk_grid(v.groups * cpr, &blocks)) return err;
-    dx_kernel<T, P><<<blocks, kThreads, 0, stream>>>(
+    const bool fixed = v.groups == 1;
+    if (cudaError_t err = fixed ? fixed_grid(cpr, v.channels, P, &blocks) : chunk_grid(v.groups * cpr, &blocks))
+      return err;
+    auto kernel = fixed ? dx_kernel<T, P, true> : dx_kernel<T, P, false>;
+    kernel<<<blocks, kThreads, 0, stream>>>(
         static_cast<const T*>(dy), static_cast<const T*>(x), relu ? mask : nullptr,
         static_cast<const Coef<A>*>(coef), static_cast<T*>(dx), static_cast<T*>(dres), L, v.channels, cpr,
         v.groups * cpr, v.mask_words, vec);

@@ -5,9 +5,11 @@
 // Pass 1: a block owns a tile of rows x channels of one group. Lanes run along C with 16-byte
 // packs (P channels each, so a warp reads contiguous memory), thread rows stride down the tile,
 // and a fixed-order tree in shared memory folds the thread rows into one partial per channel,
-// written to the workspace slot of the row block. Pass 2: one warp per channel folds the row
-// blocks' partials in a fixed order (lane stride then shuffle tree). No atomics: the result
-// depends only on the shape and the device's SM count.
+// written to the workspace slot of the row block. Pass 2: one block per (group, channel) folds
+// the row blocks' partials: each thread a few in a fixed order, then a shuffle tree and a tree
+// over the warps. (Session 2 had one warp per channel walking up to 1024 partials serially:
+// 8 blocks, latency-bound, 55 us.) No atomics: the result depends only on the shape and the
+// device's SM count.
 #include <algorithm>
 
 #include "batch_norm/bn_launch.h"
@@ -173,39 +175,79 @@ stats_partial_kernel(const T* __restrict__ x, acc_t<T>* __restrict__ ws, int64_t
   }
 }
 
-// One warp per (group, channel): folds the row blocks' partials in a fixed order, then adds the
-// pivot back (the only rounding of the order of ulp(mean)).
-template <class T>
-__global__ void stats_merge_kernel(const T* __restrict__ x, const acc_t<T>* __restrict__ ws,
-                                   acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ var, int64_t G,
-                                   int64_t R, int64_t C, int64_t nrb, int64_t rpb, int64_t cap) {
-  using A = acc_t<T>;
-  const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (w >= G * C) return;  // whole warps leave together
-  const int64_t g = w / C, c = w - g * C;
-  const A* p = ws + g * cap * 3 * C + c;
-  A n = 0, s = 0, m = 0, m2 = 0;
-  for (int64_t j = lane; j < nrb; j += 32) {
-    const A nj = static_cast<A>(min(rpb, R - j * rpb));  // rows of row block j (plan(): all > 0)
-    chan_merge(n, m, m2, nj, p[j * 3 * C + C], p[j * 3 * C + 2 * C]);
-    s += p[j * 3 * C];
+// ---- pass 2: one block of kMergeThreads per (group, channel) ----
+constexpr int kMergeThreads = 128;
+constexpr int kMergeWarps = kMergeThreads / 32;
+constexpr int kMergeBatch = 8;  // partials whose loads a thread issues before it folds them
+
+// Welford partial (count, shifted sum, mean, M2), folded with chan_merge (bn_math.h).
+template <class A>
+struct Moments {
+  A n, s, m, m2;
+  __device__ __forceinline__ void merge(const Moments& b) {
+    chan_merge(n, m, m2, b.n, b.m, b.m2);
+    s += b.s;
   }
+};
+
+// Fixed-order fold over the block: thread t has folded partials t, t+kMergeThreads, ... in
+// order; then lanes pairwise (xor tree), then warps 0..kMergeWarps-1 in order. Returns the total
+// in thread 0.
+template <class A>
+__device__ __forceinline__ Moments<A> block_merge(Moments<A> v) {
+  __shared__ Moments<A> s_w[kMergeWarps];
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) {
-    const A nb = __shfl_xor_sync(0xffffffffu, n, off);
-    const A sb = __shfl_xor_sync(0xffffffffu, s, off);
-    const A mb = __shfl_xor_sync(0xffffffffu, m, off);
-    const A m2b = __shfl_xor_sync(0xffffffffu, m2, off);
-    chan_merge(n, m, m2, nb, mb, m2b);
-    s += sb;
+    Moments<A> o;
+    o.n = __shfl_xor_sync(0xffffffffu, v.n, off);
+    o.s = __shfl_xor_sync(0xffffffffu, v.s, off);
+    o.m = __shfl_xor_sync(0xffffffffu, v.m, off);
+    o.m2 = __shfl_xor_sync(0xffffffffu, v.m2, off);
+    v.merge(o);
   }
-  if (lane == 0) {
+  if (threadIdx.x % 32 == 0) s_w[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int w = 1; w < kMergeWarps; ++w) v.merge(s_w[w]);
+  return v;
+}
+
+// Adds the pivot back after the merge (the only rounding of the order of ulp(mean)).
+template <class T>
+__global__ void __launch_bounds__(kMergeThreads)
+stats_merge_kernel(const T* __restrict__ x, const acc_t<T>* __restrict__ ws, acc_t<T>* __restrict__ mean,
+                   acc_t<T>* __restrict__ var, int64_t R, int64_t C, int64_t nrb, int64_t rpb, int64_t cap) {
+  using A = acc_t<T>;
+  const int64_t w = blockIdx.x;  // (group, channel)
+  const int64_t g = w / C, c = w - g * C;
+  const A* p = ws + g * cap * 3 * C + c;
+  Moments<A> v{0, 0, 0, 0};
+  for (int64_t j0 = threadIdx.x; j0 < nrb; j0 += int64_t(kMergeThreads) * kMergeBatch) {
+    A s[kMergeBatch], m[kMergeBatch], m2[kMergeBatch];
+#pragma unroll
+    for (int i = 0; i < kMergeBatch; ++i) {  // all loads first: one L2 round trip per batch
+      const int64_t j = j0 + int64_t(i) * kMergeThreads;
+      if (j < nrb) {
+        s[i] = p[j * 3 * C];
+        m[i] = p[j * 3 * C + C];
+        m2[i] = p[j * 3 * C + 2 * C];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kMergeBatch; ++i) {
+      const int64_t j = j0 + int64_t(i) * kMergeThreads;
+      if (j >= nrb) break;
+      const A nj = static_cast<A>(min(rpb, R - j * rpb));  // rows of row block j (plan(): all > 0)
+      v.merge(Moments<A>{nj, s[i], m[i], m2[i]});
+    }
+  }
+  v = block_merge(v);
+  if (threadIdx.x == 0) {
     const A piv = pivot_of(to_acc(x[g * R * C + c]));
     // Finite data: the Welford mean (its error scales with the spread, not with |mean - pivot|).
     // Otherwise the plain sum gives jnp.mean's inf/NaN.
-    mean[w] = piv + (isfinite(s) ? m : s / n);
-    var[w] = m2 / n;
+    mean[w] = piv + (isfinite(v.s) ? v.m : v.s / v.n);
+    var[w] = v.m2 / v.n;
   }
 }
 
@@ -280,31 +322,58 @@ grad_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uin
   }
 }
 
+// One block per (group, channel), the same fixed order as stats_merge_kernel.
 template <class A>
-__global__ void grad_merge_kernel(const A* __restrict__ ws, const A* __restrict__ var, A* __restrict__ sum_dy,
-                                  A* __restrict__ sum_dyxhat, int64_t G, int64_t C, int64_t nrb, int64_t cap,
-                                  A eps) {
-  const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (w >= G * C) return;
+__global__ void __launch_bounds__(kMergeThreads)
+grad_merge_kernel(const A* __restrict__ ws, const A* __restrict__ var, A* __restrict__ sum_dy,
+                  A* __restrict__ sum_dyxhat, int64_t C, int64_t nrb, int64_t cap, A eps) {
+  __shared__ A s_w[2][kMergeWarps];
+  const int64_t w = blockIdx.x;
   const int64_t g = w / C, c = w - g * C;
   const A* p = ws + g * cap * 2 * C + c;
   A s1 = 0, s2 = 0;
-  for (int64_t j = lane; j < nrb; j += 32) {
-    s1 += p[j * 2 * C];
-    s2 += p[j * 2 * C + C];
+  for (int64_t j0 = threadIdx.x; j0 < nrb; j0 += int64_t(kMergeThreads) * kMergeBatch) {
+    A a[kMergeBatch], b[kMergeBatch];
+#pragma unroll
+    for (int i = 0; i < kMergeBatch; ++i) {
+      const int64_t j = j0 + int64_t(i) * kMergeThreads;
+      a[i] = j < nrb ? p[j * 2 * C] : A(0);
+      b[i] = j < nrb ? p[j * 2 * C + C] : A(0);
+    }
+#pragma unroll
+    for (int i = 0; i < kMergeBatch; ++i) {
+      s1 += a[i];
+      s2 += b[i];
+    }
   }
   s1 = cuda::warp_reduce<cuda::SumOp>(s1);
   s2 = cuda::warp_reduce<cuda::SumOp>(s2);
-  if (lane == 0) {
+  if (threadIdx.x % 32 == 0) {
+    s_w[0][threadIdx.x / 32] = s1;
+    s_w[1][threadIdx.x / 32] = s2;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < kMergeWarps; ++i) {
+      s1 += s_w[0][i];
+      s2 += s_w[1][i];
+    }
     sum_dy[w] = s1;
     sum_dyxhat[w] = s2 * inv_std(var[w], eps);
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+// Channels per thread in pass 1: a 16-byte pack, except 8 bytes (4 channels) for 16-bit types.
+// Eight bf16 channels per thread keep 8 x (sum, mean, M2, pivot) plus kUnroll packs live: 98
+// registers in stats_partial and 123 in grad_partial (spills on sm_80), 2 blocks per SM and 37%
+// of DRAM in the session-2 profile. With 4 channels the state halves, occupancy doubles and the
+// bytes in flight per SM stay the same; loads are still full-width (256 bytes per warp).
+template <class T>
+constexpr int reduce_pack() {
+  return sizeof(T) == 2 ? 4 : 16 / static_cast<int>(sizeof(T));
+}
 
-int merge_blocks(int64_t warps) { return static_cast<int>((warps + 7) / 8); }
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
@@ -314,7 +383,7 @@ cudaError_t stats_cuda(cudaStream_t stream, const View& v, const void* x, void* 
   if (cudaError_t err = cuda::device_info(&info)) return err;
   JAXOPS_DISPATCH_FLOAT(v.dtype, T, {
     using A = acc_t<T>;
-    constexpr int kP = 16 / sizeof(T);
+    constexpr int kP = reduce_pack<T>();
     const Tile t = plan(v, kP, aligned16(x), cap, info.sm_count);
     const int64_t blocks = v.groups * t.ncb * t.nrb;
     if (t.P == kP)
@@ -323,9 +392,9 @@ cudaError_t stats_cuda(cudaStream_t stream, const View& v, const void* x, void* 
     else
       stats_partial_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<A*>(ws),
                                                                   v.rows, v.channels, t, cap);
-    stats_merge_kernel<T><<<merge_blocks(v.groups * v.channels), 256, 0, stream>>>(
+    stats_merge_kernel<T><<<v.groups * v.channels, kMergeThreads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const A*>(ws), static_cast<A*>(mean), static_cast<A*>(var),
-        v.groups, v.rows, v.channels, t.nrb, t.rpb, cap);
+        v.rows, v.channels, t.nrb, t.rpb, cap);
   });
   return cudaGetLastError();
 }
@@ -337,7 +406,7 @@ cudaError_t backward_reduce_cuda(cudaStream_t stream, const View& v, const void*
   if (cudaError_t err = cuda::device_info(&info)) return err;
   JAXOPS_DISPATCH_FLOAT(v.dtype, T, {
     using A = acc_t<T>;
-    constexpr int kP = 16 / sizeof(T);
+    constexpr int kP = reduce_pack<T>();
     Tile t = plan(v, kP, aligned16(x) && aligned16(dy), cap, info.sm_count);
     if (v.rows == 0) t.nrb = 0;  // nothing to reduce: the merge writes zeros
     const int64_t blocks = v.groups * t.ncb * t.nrb;
@@ -351,9 +420,9 @@ cudaError_t backward_reduce_cuda(cudaStream_t stream, const View& v, const void*
             static_cast<const T*>(dy), static_cast<const T*>(x), mask, static_cast<const A*>(mean),
             static_cast<A*>(ws), v.rows, v.channels, t, cap, v.mask_words, relu);
     }
-    grad_merge_kernel<A><<<merge_blocks(v.groups * v.channels), 256, 0, stream>>>(
+    grad_merge_kernel<A><<<v.groups * v.channels, kMergeThreads, 0, stream>>>(
         static_cast<const A*>(ws), static_cast<const A*>(var), static_cast<A*>(sum_dy),
-        static_cast<A*>(sum_dyxhat), v.groups, v.channels, t.nrb, cap, A(eps));
+        static_cast<A*>(sum_dyxhat), v.channels, t.nrb, cap, A(eps));
   });
   return cudaGetLastError();
 }

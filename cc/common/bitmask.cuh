@@ -66,15 +66,40 @@ __device__ __forceinline__ WarpChunk warp_chunk(int64_t chunk, int64_t chunks_pe
   return c;
 }
 
+// 16-byte (or 8/4-byte) vector access of P elements through an unsigned-integer vector. The
+// struct copy of cuda::Pack (load_pack/store_pack) is split by nvcc into P scalar stores (PTX of
+// session 2: 8 x st.global.u16 per bf16 pack, 4 x st.global.f32 per float pack), which left the
+// bf16 elementwise kernels LSU-bound at a quarter of DRAM bandwidth. memcpy between registers
+// costs nothing. The store goes through __stwb (an opaque st.global.wb.v4.u32): a plain
+// `*(uint4*)p = w` is still split, because LLVM merges it with the scalar tail path that writes
+// the same addresses.
+template <int Bytes> struct VecWord;
+template <> struct VecWord<16> { using type = uint4; };
+template <> struct VecWord<8> { using type = uint2; };
+template <> struct VecWord<4> { using type = uint32_t; };
+
+template <class T, int P>
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, T (&v)[P]) {
+  using W = typename VecWord<sizeof(T) * P>::type;
+  const W w = __ldg(reinterpret_cast<const W*>(p));
+  memcpy(&v, &w, sizeof(W));
+}
+
+template <class T, int P>
+__device__ __forceinline__ void store_vec(T* __restrict__ p, const T (&v)[P]) {
+  using W = typename VecWord<sizeof(T) * P>::type;
+  W w;
+  memcpy(&w, &v, sizeof(W));
+  __stwb(reinterpret_cast<W*>(p), w);
+}
+
 // Loads this lane's P elements of row `p` (one vector when `vec` and the run is complete,
 // else element by element with zeros past the end).
 template <class T, int P>
 __device__ __forceinline__ void load_run(const T* __restrict__ p, int64_t c0, int64_t cols, bool vec,
                                          T (&v)[P]) {
   if (vec && c0 + P <= cols) {
-    const auto pk = load_pack<T, P>(p + c0);
-#pragma unroll
-    for (int k = 0; k < P; ++k) v[k] = pk.v[k];
+    load_vec<T, P>(p + c0, v);
   } else {
 #pragma unroll
     for (int k = 0; k < P; ++k) v[k] = c0 + k < cols ? p[c0 + k] : from_acc<T>(acc_t<T>(0));
@@ -85,10 +110,7 @@ template <class T, int P>
 __device__ __forceinline__ void store_run(T* __restrict__ p, int64_t c0, int64_t cols, bool vec,
                                           const T (&v)[P]) {
   if (vec && c0 + P <= cols) {
-    Pack<T, P> pk;
-#pragma unroll
-    for (int k = 0; k < P; ++k) pk.v[k] = v[k];
-    store_pack<T, P>(p + c0, pk);
+    store_vec<T, P>(p + c0, v);
   } else {
 #pragma unroll
     for (int k = 0; k < P; ++k)
