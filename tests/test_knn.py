@@ -352,9 +352,10 @@ def test_handler_validates_again():
 
 
 @gpu_only
-@pytest.mark.parametrize("k", [1, 25, 32, 33, 256, 1024, 2048])
+@pytest.mark.parametrize("k", [1, 25, 32, 33, 100, 128, 256, 500, 1024, 2048])
 def test_gpu_kernel_k_buckets(key, k):
-    """Every list size K (32..2048, 128 and 256 threads), the float4 path (n % 4 == 0)."""
+    """Every list size K (32..2048, 128 and 256 threads), the float4 path (n % 4 == 0); k = 128
+    is the largest k with a seeded first tile, k = 500 one round of the flush's selection."""
     q, r = data(key, 1200, 32768, 64)
     dists, idx = jaxops.knn(q, r, k)
     check_knn(q[:128], r, k, dists[:128], idx[:128])
@@ -376,3 +377,25 @@ def test_gpu_large_problem_completes(key):
     dists, idx = jax.block_until_ready(jax.jit(jaxops.knn, static_argnums=2)(q, r, 32))
     rows = np.array([0, 4999, 9999])
     check_knn(q[rows], r, 32, dists[rows], idx[rows])
+
+
+@gpu_only
+@pytest.mark.parametrize("order", ["ascending", "descending", "equal"])
+@pytest.mark.parametrize("k", [32, 128, 256])
+def test_gpu_first_tile_orders(key, order, k):
+    """The first tile's seeded threshold and eager flushes under adversarial column orders:
+    nearest references first (tight seed, almost nothing admitted later), farthest first
+    (useless seed, every step admits keys, many flushes), or all at one distance (ties by
+    index only). One tile, no split (m >= 1024). Integer features: exact comparison."""
+    m, n = 1024, 16384
+    kq, kr = jax.random.split(key)
+    q = small_ints(kq, (m, 8))
+    far = jnp.arange(n, dtype=jnp.float32) // 64  # distance grows with the index
+    if order == "descending":
+        far = far[::-1]
+    r = small_ints(kr, (n, 8)).at[:, 0].add(0.0 if order == "equal" else 8.0 * far)
+    if order == "equal":
+        r = jnp.broadcast_to(r[:1], r.shape)
+    dists, idx = jaxops.knn(q, r, k)
+    rows = np.arange(0, m, 97)
+    check_knn(q[rows], r, k, dists[rows], idx[rows], exact=True)
