@@ -9,6 +9,18 @@ namespace {
 
 constexpr int kTeamThreads = 256;
 
+// backward_warp's __launch_bounds__ minimum blocks per SM (256 threads each), i.e. a register
+// cap of 80 (3 blocks) or 128 (2). x and dy of a row take 2 * elems * sizeof(T) / 4 registers
+// per lane, and a pack's accumulators (2 * kPack) are live while it is updated. ptxas -v, sm_90:
+// 16 elements per lane (float 512 columns, 16-bit 256 columns) fit 80 registers without spills;
+// 32 (float / 16-bit 1024 columns) need 113-125 (16-bit types spilled 24-32 bytes at 80).
+template <class T>
+constexpr int warp_min_blocks(int elems) {
+  if (sizeof(T) == 8) return 1;  // double (no target) spilled at 128 on sm_90; it takes ~142
+  const int data_regs = 2 * elems * static_cast<int>(sizeof(T)) / 4;
+  return data_regs <= 32 && elems <= 16 ? 3 : 2;
+}
+
 // Slots per group and grid: enough blocks to fill the device (blocks_per_sm per SM), at most
 // the workspace's slots and one slot per row.
 struct SlotPlan {
@@ -63,12 +75,27 @@ cudaError_t launch_narrow(const BackwardArgs& a, const cuda::DeviceInfo& info, c
   }
 }
 
+// Full-warp rows with >= 16 columns per lane: accumulators in shared memory (backward_warp).
+template <class T, int kPack, int kPacks>
+cudaError_t launch_warp(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
+  constexpr int kMinBlocks = warp_min_blocks<T>(kPack * kPacks);
+  const size_t smem = warp_acc_smem<acc_t<T>, kPack, kPacks>(kTeamThreads, num_acc(a.shape.rms));
+  return launch_slotted<T>(backward_warp<T, kPack, kPacks, kMinBlocks>, a, info, kTeamThreads, smem, stream);
+}
+
+// Team (register accumulators) or warp (shared-memory accumulators) kernel for kPacks per lane.
+template <class T, int kPack, int kPacks>
+cudaError_t launch_full_warp(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
+  if constexpr (warp_acc_in_smem(kPack, kPacks)) return launch_warp<T, kPack, kPacks>(a, info, stream);
+  else return launch_team<T, kPack, kPacks, 32>(a, info, stream);
+}
+
 template <class T, int kPack>
 cudaError_t launch_wide(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream, int packs) {
   if constexpr (kPack > 1) {
-    if (packs <= 2) return launch_team<T, kPack, 2, 32>(a, info, stream);
-    if (packs <= 4 && 4 * kPack <= 32) return launch_team<T, kPack, 4, 32>(a, info, stream);
-    if constexpr (8 * kPack <= 32) return launch_team<T, kPack, 8, 32>(a, info, stream);
+    if (packs <= 2) return launch_full_warp<T, kPack, 2>(a, info, stream);
+    if (packs <= 4 && 4 * kPack <= 32) return launch_full_warp<T, kPack, 4>(a, info, stream);
+    if constexpr (8 * kPack <= 32) return launch_full_warp<T, kPack, 8>(a, info, stream);
   }
   return cudaErrorInvalidValue;  // unreachable: the caller checked the capacity
 }

@@ -14,8 +14,11 @@
 // Backward parameter gradients: a block owns whole "slots" (contiguous rows of one group) and
 // sums dy * xhat (and dy) over a slot per column in a fixed order, writing one partial row per
 // slot to the workspace; reduce_slots adds a group's slots in a fixed order. Bit-reproducible
-// for a given shape and device; no atomics.
+// for a given shape and device; no atomics. Full-warp rows of >= 16 columns per lane
+// (backward_warp) keep those sums in per-warp shared-memory slices rather than registers.
 #pragma once
+#include <type_traits>
+
 #include "common/cuda_util.cuh"
 #include "layer_norm/layer_norm_params.h"
 
@@ -62,6 +65,17 @@ __device__ __forceinline__ void block_sum2(A& a, A& b, A* scratch) {
   }
 }
 
+// Hides a value's registers from the optimizer (no code): whatever was computed from them
+// before cannot be reused after, so it is recomputed instead of kept live.
+template <class P>
+__device__ __forceinline__ void opaque_regs(P& v) {
+  if constexpr (sizeof(P) % 4 == 0) {  // (single 16-bit elements, the scalar fallback, are left alone)
+    uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(P) / 4); ++i) asm volatile("" : "+r"(w[i]));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward
 
@@ -98,9 +112,23 @@ __device__ __forceinline__ void write_stats(const ForwardArgs& a, int64_t row, a
   static_cast<acc_t<T>*>(a.rstd)[row] = rstd;
 }
 
+// forward_team's minimum 128-thread blocks per SM for `bytes` of row data per lane, i.e. its
+// register cap: 12 blocks = 40 registers (75% occupancy), 10 = 48, 9 = 56, 7 = 72. Uncapped,
+// ptxas took 56 registers (54% occupancy) for 1024 columns of bfloat16, the slowest forward (63%
+// of DRAM bandwidth); 16 registers of row data (16-bit 1024 columns, float 512) fit 40 without
+// spills except bfloat16 on sm_90 (12 bytes), which gets 48. Float at 1024 columns spills
+// below 56; double (no target) keeps about its old counts (48 spilled on sm_80; an explicit
+// minimum of 1 made ptxas use more than no minimum).
+template <class T>
+constexpr int forward_min_blocks(int bytes) {
+  if (sizeof(T) == 8) return bytes <= 32 ? 12 : bytes <= 64 ? 9 : 7;
+  if (bytes > 64) return 9;
+  return std::is_same_v<T, __nv_bfloat16> && bytes > 32 ? 10 : 12;
+}
+
 // A team of kWidth lanes per row, row in registers: kPacks packs of kPack elements per lane.
 template <class T, int kPack, int kPacks, int kWidth>
-__global__ void __launch_bounds__(128) forward_team(ForwardArgs a) {
+__global__ void __launch_bounds__(128, forward_min_blocks<T>(kPack* kPacks * sizeof(T))) forward_team(ForwardArgs a) {
   using A = acc_t<T>;
   const Shape s = a.shape;
   const int teams = blockDim.x / kWidth, team = threadIdx.x / kWidth, lane = threadIdx.x % kWidth;
@@ -124,6 +152,12 @@ __global__ void __launch_bounds__(128) forward_team(ForwardArgs a) {
       }
     }
     const A mean_rel = s.rms ? A(0) : team_sum<kWidth>(sum) / A(s.cols);
+    // 16-bit types: convert x again in each pass instead of keeping the converted floats (twice
+    // the registers) live across the reductions; needed to fit 40-48 registers without spills.
+    if constexpr (sizeof(T) == 2) {
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) opaque_regs(xp[k]);
+    }
     A sq = 0;
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
@@ -138,6 +172,10 @@ __global__ void __launch_bounds__(128) forward_team(ForwardArgs a) {
     }
     const A rstd = inv_sqrt(team_sum<kWidth>(sq) / A(s.cols) + A(s.epsilon));
     if (!valid_row) continue;
+    if constexpr (sizeof(T) == 2) {
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) opaque_regs(xp[k]);
+    }
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
       const int64_t p = lane + k * kWidth;
@@ -149,6 +187,9 @@ __global__ void __launch_bounds__(128) forward_team(ForwardArgs a) {
 
 // One block per row, the row cached in dynamic shared memory (cols elements of T). Each thread
 // re-reads only the packs it cached itself, so no barrier is needed besides the reductions.
+// The block kernels' 16-byte pack loops are unrolled 4 times: a rolled loop waits for each
+// pack's load before issuing the next (its shared store / Welford update depends on it), so a
+// thread had only one 16-byte load (two in the backward) in flight.
 template <class T, int kPack>
 __global__ void __launch_bounds__(1024) forward_block(ForwardArgs a) {
   using A = acc_t<T>;
@@ -161,6 +202,7 @@ __global__ void __launch_bounds__(1024) forward_block(ForwardArgs a) {
   for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
     const A shift = row_shift<T>(s, x, row);
     A sum = 0, unused = 0;
+#pragma unroll(kPack > 1 ? 4 : 1)
     for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x) {
       const auto xp = load_pack<T, kPack>(x + row * s.cols + p * kPack);
       store_pack(cache + p * kPack, xp);
@@ -183,6 +225,7 @@ __global__ void __launch_bounds__(1024) forward_block(ForwardArgs a) {
     }
     block_sum2(sq, unused, scratch);
     const A rstd = inv_sqrt(sq / A(s.cols) + A(s.epsilon));
+#pragma unroll(kPack > 1 ? 4 : 1)
     for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x)
       write_y<T, kPack>(a, load_pack<T, kPack>(cache + p * kPack), row, p * kPack, shift, mean_rel, rstd);
     if (threadIdx.x == 0) write_stats<T>(a, row, shift + mean_rel, rstd);
@@ -220,6 +263,7 @@ __global__ void __launch_bounds__(1024) forward_uncached(ForwardArgs a) {
   for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
     const A shift = row_shift<T>(s, x, row);
     Welford<A> w;
+#pragma unroll(kPack > 1 ? 4 : 1)
     for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x) {
       const auto xp = load_pack<T, kPack>(x + row * s.cols + p * kPack);
 #pragma unroll
@@ -254,6 +298,7 @@ __global__ void __launch_bounds__(1024) forward_uncached(ForwardArgs a) {
     for (int i = 0; i < nwarps; ++i) total = merge(total, Welford<A>{scratch[i], scratch[32 + i], scratch[64 + i]});
     const A mean_rel = s.rms ? A(0) : total.mean;
     const A rstd = inv_sqrt(total.m2 / A(s.cols) + A(s.epsilon));
+#pragma unroll(kPack > 1 ? 4 : 1)
     for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x)
       write_y<T, kPack>(a, load_pack<T, kPack>(x + row * s.cols + p * kPack), row, p * kPack, shift, mean_rel,
                         rstd);
@@ -408,6 +453,151 @@ __global__ void __launch_bounds__(256) backward_team(BackwardArgs a, int64_t use
   }
 }
 
+// Full-warp teams with at least 16 columns per lane keep their column accumulators in shared
+// memory instead of registers (backward_warp): with 32 columns per lane, register accumulators
+// (2 x 32 per lane) took backward_team to 186-196 registers, one 256-thread block per SM and too
+// few loads in flight for DRAM (44-54% busy).
+JAXOPS_LN_HD constexpr bool warp_acc_in_smem(int pack, int packs) { return pack * packs >= 16; }
+
+// Layout of backward_warp's accumulators: each warp owns a private slice of nacc x (32 lanes x
+// kPacks x kPack) values, each lane only ever touching its own columns (so the row loop needs no
+// barrier), stored as 16-byte chunks with lanes adjacent: conflict-free 16-byte shared accesses.
+// For float the position of column c is c itself.
+template <class A, int kPack, int kPacks>
+struct WarpAccLayout {
+  static constexpr int kChunk = (16 / static_cast<int>(sizeof(A))) < kPack ? 16 / static_cast<int>(sizeof(A)) : kPack;
+  static constexpr int kChunks = kPack / kChunk;  // chunks per pack
+  static constexpr int kSlice = 32 * kPacks * kPack;  // values per accumulator per warp
+  // Offset of element e of the lane's k-th pack inside one accumulator's slice.
+  __device__ static int offset(int lane, int k, int e) {
+    return ((k * kChunks + e / kChunk) * 32 + lane) * kChunk + e % kChunk;
+  }
+  // Offset of column c (pack c / kPack = k * 32 + lane) inside one accumulator's slice.
+  __device__ static int column(int64_t c) {
+    const int p = static_cast<int>(c / kPack), e = static_cast<int>(c % kPack);
+    return offset(p % 32, p / 32, e);
+  }
+};
+
+// Dynamic shared memory of backward_warp: nacc slices per warp.
+template <class A, int kPack, int kPacks>
+constexpr size_t warp_acc_smem(int threads, int nacc) {
+  return static_cast<size_t>(threads / 32) * nacc * (32 * kPacks * kPack) * sizeof(A);
+}
+
+// A warp per row (rows begin + warp, + nwarps, ...), row in registers, column accumulators in the
+// warp's shared-memory slice (see WarpAccLayout). At the end of a slot every thread adds a few
+// columns over the warps' slices in warp order and writes the slot's partial row. kMinBlocks
+// caps registers so that at least that many 256-thread blocks fit one SM.
+template <class T, int kPack, int kPacks, int kMinBlocks>
+__global__ void __launch_bounds__(256, kMinBlocks) backward_warp(BackwardArgs a, int64_t used) {
+  using A = acc_t<T>;
+  using L = WarpAccLayout<A, kPack, kPacks>;
+  using Chunk = Pack<A, L::kChunk>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const Shape s = a.shape;
+  const int nacc = num_acc(s.rms);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+  const int64_t npacks = s.cols / kPack;
+  A* slices = reinterpret_cast<A*>(smem_raw);  // [nwarps][nacc][kSlice]
+  A* acc_s = slices + static_cast<int64_t>(warp) * nacc * L::kSlice;
+  A* acc_b = acc_s + L::kSlice;  // only used when nacc == 2
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  T* dx = static_cast<T*>(a.dx);
+  for (int64_t slot = blockIdx.x; slot < s.groups * used; slot += gridDim.x) {
+    const int64_t g = slot / used, j = slot % used;
+    int64_t begin, end;
+    slot_rows(s, g, j, used, &begin, &end);
+    const T* scale = static_cast<const T*>(a.scale) + g * s.cols;
+    // Zero this lane's own positions (all of them, also past npacks: the sum below reads them).
+    Chunk zero;
+#pragma unroll
+    for (int i = 0; i < L::kChunk; ++i) zero.v[i] = A(0);
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+      for (int e = 0; e < kPack; e += L::kChunk) {
+        store_pack(acc_s + L::offset(lane, k, e), zero);
+        if (nacc == 2) store_pack(acc_b + L::offset(lane, k, e), zero);
+      }
+    // The row is warp-uniform, so the shuffles below always see the whole warp.
+    for (int64_t row = begin + warp; row < end; row += nwarps) {
+      A mean, rstd;
+      row_stats<T>(a, row, mean, rstd);
+      Pack<T, kPack> xp[kPacks], dp[kPacks];
+      A sum_g = 0, sum_gx = 0;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int64_t p = lane + k * 32;
+        if (p < npacks) {
+          xp[k] = load_pack<T, kPack>(x + row * s.cols + p * kPack);
+          dp[k] = load_pack<T, kPack>(dy + row * s.cols + p * kPack);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int64_t p = lane + k * 32;
+        if (p < npacks)
+          pack_sums<T, kPack>(xp[k], dp[k], load_pack<T, kPack>(scale + p * kPack), mean, rstd, sum_g, sum_gx);
+      }
+      const A mg = s.rms ? A(0) : team_sum<32>(sum_g) / A(s.cols);
+      const A mgx = team_sum<32>(sum_gx) / A(s.cols);
+      // Keep x and dy live only in their storage type across the reductions: otherwise ptxas
+      // keeps the float conversions of the first pass (bfloat16 at 1024 columns: 149 registers).
+      // Also, the memory clobber makes the scale packs be re-read (an L1 hit), not kept.
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        opaque_regs(xp[k]);
+        opaque_regs(dp[k]);
+      }
+      asm volatile("" ::: "memory");
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int64_t p = lane + k * 32;
+        if (p < npacks) {
+          A as[kPack], ab[kPack];
+#pragma unroll
+          for (int e = 0; e < kPack; e += L::kChunk) {
+            const Chunk cs = load_pack<A, L::kChunk>(acc_s + L::offset(lane, k, e));
+            Chunk cb = zero;
+            if (nacc == 2) cb = load_pack<A, L::kChunk>(acc_b + L::offset(lane, k, e));
+#pragma unroll
+            for (int i = 0; i < L::kChunk; ++i) {
+              as[e + i] = cs.v[i];
+              ab[e + i] = cb.v[i];
+            }
+          }
+          store_pack(dx + row * s.cols + p * kPack,
+                     pack_dx<T, kPack>(xp[k], dp[k], load_pack<T, kPack>(scale + p * kPack), mean, rstd, mg, mgx,
+                                       as, ab));  // rms_norm: ab is added to but never stored
+#pragma unroll
+          for (int e = 0; e < kPack; e += L::kChunk) {
+            Chunk cs, cb;
+#pragma unroll
+            for (int i = 0; i < L::kChunk; ++i) {
+              cs.v[i] = as[e + i];
+              cb.v[i] = ab[e + i];
+            }
+            store_pack(acc_s + L::offset(lane, k, e), cs);
+            if (nacc == 2) store_pack(acc_b + L::offset(lane, k, e), cb);
+          }
+        }
+      }
+    }
+    __syncthreads();  // every warp's slice is complete
+    A* out = slot_ptr<T>(a, g, j);
+    for (int64_t c = threadIdx.x; c < nacc * s.cols; c += blockDim.x) {
+      const int which = static_cast<int>(c / s.cols);
+      const int at = which * L::kSlice + L::column(c % s.cols);
+      A total = 0;
+      for (int w = 0; w < nwarps; ++w) total += slices[static_cast<int64_t>(w) * nacc * L::kSlice + at];
+      out[c] = total;
+    }
+    __syncthreads();  // the slices are zeroed again by the next slot
+  }
+}
+
 // One block per row. kCached: x and dy are cached in shared memory on the first pass and the
 // column accumulators live there too; otherwise x and dy are re-read from global memory and
 // the accumulators are the slot's workspace row itself. Each thread only touches the columns
@@ -443,6 +633,7 @@ __global__ void __launch_bounds__(1024) backward_block(BackwardArgs a, int64_t u
       A mean, rstd;
       row_stats<T>(a, row, mean, rstd);
       A sum_g = 0, sum_gx = 0;
+#pragma unroll(kPack > 1 && sizeof(T) < 8 ? 4 : 1)  // (double spilled)
       for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x) {
         const auto xp = load_pack<T, kPack>(x + row * s.cols + p * kPack);
         const auto dp = load_pack<T, kPack>(dy + row * s.cols + p * kPack);
@@ -454,6 +645,7 @@ __global__ void __launch_bounds__(1024) backward_block(BackwardArgs a, int64_t u
       }
       block_sum2(sum_g, sum_gx, scratch);
       const A mg = s.rms ? A(0) : sum_g / A(s.cols), mgx = sum_gx / A(s.cols);
+#pragma unroll(kPack > 1 && sizeof(T) < 8 ? 4 : 1)  // (double spilled)
       for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x) {
         const T* xs = kCached ? xc : x + row * s.cols;
         const T* dys = kCached ? dyc : dy + row * s.cols;
