@@ -39,7 +39,9 @@ CASES = [
     ((2, 3, 1, 4), (1, 3)),   # contiguous once the extent-1 axis is ignored
     ((1, 1), None),
     ((300, 100), 1),          # short rows: warp per row (odd: scalar loads)
-    ((37, 1024), -1),         # warp per row, 16-byte loads
+    ((37, 1024), -1),         # warp per row, 16-byte loads (16 lanes a row for 2-byte types)
+    ((133, 64), 1),           # short rows: 8 lanes a row, 4 rows a warp, last warp partial
+    ((45, 256), 1),           # 8 (2-byte) or 16 (4-byte) lanes a row, several packs a lane
     ((9, 8192), 1),           # block per row
     ((3, 65537), 1),          # split rows, odd length
     ((1 << 18,), None),       # full reduction: split + merge
@@ -349,7 +351,8 @@ def test_more_than_2_pow_31_elements():
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape,axis", [((1 << 26,), None), ((64, 1 << 20), 1), ((1 << 16, 1024), 1),
-                                        ((1 << 20, 64), 0), ((1 << 18, 256), 0), ((1 << 14, 4096), 0)])
+                                        ((1 << 20, 64), 1), ((1 << 20, 64), 0), ((1 << 18, 256), 0),
+                                        ((1 << 14, 4096), 0)])
 def test_gpu_benchmark_shapes_bit_identical_and_accurate(shape, axis, dtype, key):
     x = normal(key, shape, dtype)
     for op in ("sum", "logsumexp", "argmax"):

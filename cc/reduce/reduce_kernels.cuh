@@ -3,7 +3,7 @@
 // group so the instantiations compile in parallel.
 //
 // Every op runs on an (outer, reduced, inner) view:
-//   inner == 1 (row reduction):  warp per row (short rows), block per row, or a grid split of
+//   inner == 1 (row reduction):  8-32 lanes per row (short rows), block per row, or a grid split of
 //                                each row into `splits` chunks whose partial states go to the
 //                                workspace and are merged by merge_kernel in a fixed order;
 //   inner > 1 (column reduction): a block tile of TX threads x P columns (16-byte loads across
@@ -29,8 +29,8 @@ using cuda::load_pack;
 using cuda::Pack;
 using cuda::to_acc;
 
-constexpr int kUnroll = 4;           // independent 16-byte loads in flight per thread
-constexpr int kWarpRowMax = 4096;    // rows up to this length get one warp each (_WARP_ROW_MAX)
+constexpr int kWarpRowMax = 4096;    // rows up to this length go to row_warp_kernel (_WARP_ROW_MAX)
+constexpr int kMinRowLanes = 8;      // >= 8 lanes x 16 B per row keeps each warp load 128 B-coalesced
 constexpr int kBlockThreads = 256;   // column / merge kernels
 constexpr int kMaxGrid = INT_MAX;
 
@@ -84,47 +84,114 @@ __device__ __forceinline__ void emit(void* y, typename Op::State* ws, int64_t at
   }
 }
 
-template <class Op, class T, int P>
-__device__ __forceinline__ void add_pack(typename Op::State& s, const Pack<T, P>& pk, int64_t idx) {
+// Independent packs in flight per thread: 8 for 2-byte types (128 B), else 4 (64 B; f64: 4 x
+// 16 B). Two-byte types carry twice the elements per byte, so with the same pack count a thread
+// would have half the bytes in flight of float32 for the same per-element work.
+template <class T>
+constexpr int unroll_for() {
+  return sizeof(T) <= 2 ? 8 : 4;
+}
+
+// Launch bounds. Without them ptxas keeps the 2-byte kernels near 32 registers by issuing
+// each 16-byte load right before its use, i.e. about one load in flight per thread (seen in
+// the SASS of the bf16 column kernel: load, use, load, use). Promising fewer resident blocks
+// lets it hold all unroll_for<T>() packs at once: 2-byte types get <= 80 registers at 256
+// threads (>= 3 blocks, 768 threads x 128 B = 96 KB in flight per SM). 4-byte types with a
+// 4-byte state (sum, max) keep <= 48 (>= 5 blocks, 1280 x 64 B), wider states (logsumexp,
+// arg) <= 64 (>= 4 blocks): near the unhinted counts, without spills. float64 gets <= 128
+// (its software exp in logsumexp spills at 64). Rows of 2-byte types never use 512-thread
+// blocks (max_row_block_threads), which would halve the register budget.
+constexpr int min_blocks_for(int element_bytes, int state_bytes, int threads) {
+  const int blocks_of_256 = element_bytes <= 2 ? 3 : element_bytes >= 8 ? 2 : state_bytes == 4 ? 5 : 4;
+  return (blocks_of_256 * 256 + threads - 1) / threads;  // rounded up: 512 threads keep >= as many threads
+}
+template <class Op, class T>
+constexpr int min_blocks(int threads) {
+  return min_blocks_for(static_cast<int>(sizeof(T)), static_cast<int>(sizeof(typename Op::State)), threads);
+}
+template <class T>
+constexpr int max_row_block_threads() {
+  return sizeof(T) <= 2 ? 256 : 512;
+}
+
+// Independent accumulator states per thread (element j of a pack goes to slot j % slots).
+// Four break the per-element dependency chain (the arg ops' compare/select chain, the
+// logsumexp expf chain) without spending 2-byte types' 8 x 2 registers on arg states.
+template <int P>
+constexpr int slots_for() {
+  return P < 4 ? P : 4;
+}
+
+// Folds S slot states into one by a fixed tree (slot j with j + w, w = S/2 .. 1).
+template <class Op, int S>
+__device__ __forceinline__ typename Op::State fold_slots(typename Op::State (&acc)[S]) {
 #pragma unroll
-  for (int j = 0; j < P; ++j) Op::add(s, to_acc(pk.v[j]), idx + j);
+  for (int w = S / 2; w > 0; w /= 2)
+#pragma unroll
+    for (int j = 0; j < w; ++j) acc[j] = Op::merge(acc[j], acc[j + w]);
+  return acc[0];
 }
 
 // Adds x[begin, end) (begin, end and the stride multiples of P) element-wise-strided over the
 // threads of a group: thread `t` of `nthreads` takes packs t, t + nthreads, ...
-template <class Op, class T, int P>
-__device__ __forceinline__ void add_span(typename Op::State& s, const T* x, int64_t begin, int64_t end,
-                                         int t, int nthreads) {
-  const int64_t stride = static_cast<int64_t>(nthreads) * P;
-  int64_t c = begin + static_cast<int64_t>(t) * P;
-  for (; c + (kUnroll - 1) * stride < end; c += kUnroll * stride) {
-    Pack<T, P> pk[kUnroll];
+// Element j of every pack goes to state acc[j % S], so consecutive updates are independent
+// (no P-long dependency chain per pack: matters for arg/logsumexp, whose add is a long
+// compare/select or expf chain); the slots are folded by a fixed tree at the end, so the
+// result is still one fixed function of the input (bit-deterministic). Each slot sees its
+// elements in increasing index order, as the arg ops' tie rule assumes of add().
+// Idx is int where the span is known to fit (warp rows: n <= kWarpRowMax): fewer registers.
+template <class Op, class T, int P, class Idx = int64_t>
+__device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx begin, Idx end, int t,
+                                         int nthreads) {
+  constexpr int U = unroll_for<T>(), S = slots_for<P>();
+  typename Op::State acc[S];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) pk[u] = load_pack<T, P>(x + c + u * stride);
+  for (int j = 0; j < S; ++j) acc[j] = Op::identity();
+  const Idx stride = static_cast<Idx>(nthreads) * P;
+  Idx c = begin + static_cast<Idx>(t) * P;
+  for (; c + (U - 1) * stride < end; c += U * stride) {
+    Pack<T, P> pk[U];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) add_pack<Op, T, P>(s, pk[u], c + u * stride);
+    for (int u = 0; u < U; ++u) pk[u] = load_pack<T, P>(x + c + u * stride);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < P; ++j) Op::add(acc[j % S], to_acc(pk[u].v[j]), c + u * stride + j);
   }
-  for (; c < end; c += stride) add_pack<Op, T, P>(s, load_pack<T, P>(x + c), c);
+  for (; c < end; c += stride) {
+    const Pack<T, P> pk = load_pack<T, P>(x + c);
+#pragma unroll
+    for (int j = 0; j < P; ++j) Op::add(acc[j % S], to_acc(pk.v[j]), c + j);
+  }
+  s = Op::merge(s, fold_slots<Op, S>(acc));
 }
 
-// inner == 1, short rows: one warp per row.
+// inner == 1, short rows: `group` lanes per row (a power of two, 8..32), 32 / group rows per
+// warp. Short rows get fewer lanes so each lane still has unroll_for<T>() packs in flight
+// (a 1024-long bf16 row is 128 packs: 16 lanes x 8, two rows per warp); never fewer than 8
+// lanes, so every warp load covers whole 128-byte segments. Group merges use xor shuffles
+// with offsets < group, which stay inside the aligned group of lanes.
 template <class Op, class T, int P>
-__global__ void row_warp_kernel(const T* __restrict__ x, void* y, int64_t rows, int64_t n) {
-  const int warps = blockDim.x / 32;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps + threadIdx.x / 32; row < rows;
-       row += static_cast<int64_t>(gridDim.x) * warps) {
+__global__ void __launch_bounds__(256, min_blocks<Op, T>(256))
+    row_warp_kernel(const T* __restrict__ x, void* y, int64_t rows, int64_t n, int group) {
+  const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
+  const int per_warp = 32 / group;
+  for (int64_t row0 = (static_cast<int64_t>(blockIdx.x) * warps + threadIdx.x / 32) * per_warp; row0 < rows;
+       row0 += static_cast<int64_t>(gridDim.x) * warps * per_warp) {  // warp-uniform loop
+    const int64_t row = row0 + lane / group;
     auto s = Op::identity();
-    add_span<Op, T, P>(s, x + row * n, 0, n, threadIdx.x % 32, 32);
-    s = warp_merge<Op>(s);
-    if (threadIdx.x % 32 == 0) emit<Op, T>(y, nullptr, row, s, n);
+    if (row < rows) add_span<Op, T, P, int>(s, x + row * n, 0, static_cast<int>(n), lane % group, group);
+    for (int offset = group / 2; offset > 0; offset /= 2) s = Op::merge(s, shfl_xor_state(s, offset));
+    if (lane % group == 0 && row < rows) emit<Op, T>(y, nullptr, row, s, n);
   }
 }
 
 // inner == 1: block b = row * splits + split reduces x[row, split*chunk : (split+1)*chunk].
 // With ws it writes the partial state ws[b]; otherwise (splits == 1) the finished y[row].
 template <class Op, class T, int P>
-__global__ void row_block_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t rows,
-                                 int64_t n, int64_t splits, int64_t chunk) {
+__global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T>(max_row_block_threads<T>()))
+    row_block_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t rows, int64_t n,
+                     int64_t splits, int64_t chunk) {
   for (int64_t b = blockIdx.x; b < rows * splits; b += gridDim.x) {
     const int64_t row = b / splits, split = b % splits;
     const int64_t begin = split * chunk;
@@ -140,8 +207,9 @@ __global__ void row_block_kernel(const T* __restrict__ x, void* y, typename Op::
 // [tile*TX*P, ...) of rows [split*chunk, ...) of slab o. Thread (tx, ty) keeps P column states
 // over rows ty, ty + TY, ...; the TY states per column are merged by a shared-memory tree.
 template <class Op, class T, int P>
-__global__ void column_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t outer,
-                              int64_t n, int64_t inner, int64_t splits, int64_t chunk, int64_t tiles) {
+__global__ void __launch_bounds__(256, min_blocks<Op, T>(256))
+    column_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t outer, int64_t n,
+                  int64_t inner, int64_t splits, int64_t chunk, int64_t tiles) {
   using S = typename Op::State;
   extern __shared__ unsigned char smem_raw[];
   S* smem = reinterpret_cast<S*>(smem_raw);  // [TY][TX * P]
@@ -156,13 +224,14 @@ __global__ void column_kernel(const T* __restrict__ x, void* y, typename Op::Sta
     for (int j = 0; j < P; ++j) s[j] = Op::identity();
     if (col < inner) {
       const T* xo = x + o * n * inner + col;
+      constexpr int U = unroll_for<T>();  // rows in flight per thread (16 B each when P > 1)
       int64_t r = begin + ty;
-      for (; r + (kUnroll - 1) * TY < end; r += kUnroll * TY) {
-        Pack<T, P> pk[kUnroll];
+      for (; r + (U - 1) * TY < end; r += U * TY) {
+        Pack<T, P> pk[U];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) pk[u] = load_pack<T, P>(xo + (r + u * TY) * inner);
+        for (int u = 0; u < U; ++u) pk[u] = load_pack<T, P>(xo + (r + u * TY) * inner);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
+        for (int u = 0; u < U; ++u)
 #pragma unroll
           for (int j = 0; j < P; ++j) Op::add(s[j], to_acc(pk[u].v[j]), r + u * TY);
       }
@@ -256,14 +325,18 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
   const int64_t n = p.reduced;
   if (p.splits == 1 && n <= kWarpRowMax) {
     constexpr int kWarps = 8;
-    row_warp_kernel<Op, T, P><<<grid_for((p.outer + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(
-        x, y, p.outer, n);
+    const int64_t packs = (n + P - 1) / P;
+    int group = 32;
+    while (group > kMinRowLanes && static_cast<int64_t>(group) * unroll_for<T>() > packs) group /= 2;
+    const int64_t rows_per_block = kWarps * (32 / group);
+    row_warp_kernel<Op, T, P><<<grid_for((p.outer + rows_per_block - 1) / rows_per_block), kWarps * 32, 0,
+                                stream>>>(x, y, p.outer, n, group);
     return cudaGetLastError();
   }
   // Chunks are whole packs; chunk >= n / splits so `splits` chunks cover the row.
   int64_t chunk = (n + p.splits - 1) / p.splits;
   chunk = (chunk + P - 1) / P * P;
-  const int threads = chunk >= 32768 ? 512 : 256;
+  const int threads = chunk >= 32768 ? max_row_block_threads<T>() : 256;
   const bool split = p.splits > 1;
   row_block_kernel<Op, T, P><<<grid_for(p.outer * p.splits), threads, 0, stream>>>(
       x, y, split ? ws : nullptr, p.outer, n, p.splits, chunk);

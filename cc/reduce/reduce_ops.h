@@ -69,15 +69,18 @@ struct LogSumExpOp {
   using State = LogSumExpState<A>;
   static constexpr bool kIndex = false;
   static JAXOPS_HD State identity() { return {-inf_of<A>(), A(0)}; }
+  // Branch-free (selects, one exp per element), so the compiler can overlap the exps of
+  // independent elements; a branch per element serialised them on the GPU. Same values as
+  // the case analysis: a new max rescales (exp(-inf) = 0 covers the first finite element);
+  // -inf adds nothing (its exp argument may be -inf - -inf = NaN, hence the select); a NaN x
+  // becomes the max and sticks (nothing compares greater); s is meaningless, and ignored by
+  // merge/finish, whenever m is NaN or +-inf.
   static JAXOPS_HD void add(State& st, A x, int64_t) {
-    if (x > st.m) {  // new max: rescale (exp(-inf) = 0 covers the first finite element)
-      st.s = st.s * exp_acc(st.m - x) + A(1);
-      st.m = x;
-    } else if (is_nan(x)) {
-      st.m = x;  // sticks: nothing compares greater than NaN
-    } else if (x != -inf_of<A>()) {  // -inf adds nothing (and -inf - -inf would be NaN)
-      st.s += exp_acc(x - st.m);
-    }
+    const bool up = x > st.m;
+    const A e = exp_acc(up ? st.m - x : x - st.m);
+    const A term = x == -inf_of<A>() ? A(0) : e;
+    st.s = up ? st.s * e + A(1) : st.s + term;
+    st.m = (up || is_nan(x)) ? x : st.m;
   }
   static JAXOPS_HD State merge(const State& a, const State& b) {
     const A m = (is_nan(a.m) || a.m > b.m) ? a.m : b.m;
