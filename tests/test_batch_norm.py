@@ -413,11 +413,20 @@ def test_bad_input():
         jaxops.batch_norm(jnp.ones(()), s, b)
 
 
+def nudge_off_kink(x, scale, bias, res):
+    """`res` nudged so no pre-activation lies within 0.01 of relu's kink: at millions of elements
+    a few land within rounding of 0, where the kernel and the reference may pick different sides
+    and their gradients then differ by a whole element's worth (a boundary flip, not an error)."""
+    z = ref_bn(x, scale, bias, residual=res, activation=None)[0].astype(jnp.float32)
+    return (res.astype(jnp.float32) + jnp.where(jnp.abs(z) < 0.01, 0.05, 0.0)).astype(res.dtype)
+
+
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_resnet_shape(key, dtype):
     shape = (16, 112, 112, 32)
     x, scale, bias, res = inputs(key, shape, -1, dtype, True)
+    res = nudge_off_kink(x, scale, bias, res)
     out = jaxops.batch_norm(x, scale, bias, residual=res, activation="relu")
     ref = ref_bn(x, scale, bias, residual=res, activation="relu")
     d = jnp.dtype(dtype).type
@@ -439,6 +448,7 @@ def test_gpu_resnet_shape(key, dtype):
                                          ((70000, 130), jnp.bfloat16)])
 def test_gpu_strided_channels(key, shape, dtype):
     x, scale, bias, res = inputs(key, shape, -1, dtype, True)
+    res = nudge_off_kink(x, scale, bias, res)
     out = jaxops.batch_norm(x, scale, bias, residual=res, activation="relu")
     ref = ref_bn(x, scale, bias, residual=res, activation="relu")
     d = jnp.dtype(dtype).type

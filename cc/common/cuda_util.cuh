@@ -36,28 +36,33 @@ template <class T, int N>
 __device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
   return *reinterpret_cast<const Pack<T, N>*>(p);
 }
-// The store goes through an unsigned vector and __stwb: a struct copy (or even a plain
+// Global stores go through an unsigned vector and __stwb: a struct copy (or even a plain
 // `*(uint4*)p = w`) is split by nvcc into N scalar stores wherever a scalar tail path writes the
 // same addresses (session-3 PTX: softmax's cached kernels stored bf16 packs as 8 x st.global.u16),
-// which makes 16-bit kernels LSU-bound far below the DRAM bandwidth.
+// which makes 16-bit kernels LSU-bound far below the DRAM bandwidth. __stwb is st.global: shared
+// (and distributed shared) memory keeps the plain copy; __isGlobal folds where the space is known.
 template <class T, int N>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& pk) {
   constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
-  if constexpr (kBytes == 16) {
-    uint4 w;
-    memcpy(&w, &pk, 16);
-    __stwb(reinterpret_cast<uint4*>(p), w);
-  } else if constexpr (kBytes == 8) {
-    uint2 w;
-    memcpy(&w, &pk, 8);
-    __stwb(reinterpret_cast<uint2*>(p), w);
-  } else if constexpr (kBytes == 4) {
-    unsigned int w;
-    memcpy(&w, &pk, 4);
-    __stwb(reinterpret_cast<unsigned int*>(p), w);
-  } else {
-    *reinterpret_cast<Pack<T, N>*>(p) = pk;
+  if constexpr (kBytes == 16 || kBytes == 8 || kBytes == 4) {
+    if (__isGlobal(p)) {
+      if constexpr (kBytes == 16) {
+        uint4 w;
+        memcpy(&w, &pk, 16);
+        __stwb(reinterpret_cast<uint4*>(p), w);
+      } else if constexpr (kBytes == 8) {
+        uint2 w;
+        memcpy(&w, &pk, 8);
+        __stwb(reinterpret_cast<uint2*>(p), w);
+      } else {
+        unsigned int w;
+        memcpy(&w, &pk, 4);
+        __stwb(reinterpret_cast<unsigned int*>(p), w);
+      }
+      return;
+    }
   }
+  *reinterpret_cast<Pack<T, N>*>(p) = pk;
 }
 
 // Largest pack (elements per access, up to 16 bytes) that divides `cols` and the pointers' alignment.
