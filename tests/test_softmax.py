@@ -199,3 +199,23 @@ def test_cluster_paths_bfloat16(cols, key):
     for name in OPS:
         assert_close(OPS[name][0](x), reference(name, x), jnp.bfloat16)
     assert ON_GPU
+
+
+@gpu_only
+@pytest.mark.parametrize("rows,cols", [(2000, 8192), (600, 32768), (64, 262144)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_cached_paths_reuse_cache_across_rows(rows, cols, masked, key):
+    """More rows than resident blocks/clusters: each block (or cluster) loops over several rows,
+    refilling its shared-memory cache (asynchronously when unmasked) after the previous row's
+    output pass; forward and backward, every row checked."""
+    kx, kw, km = jax.random.split(key, 3)
+    x = normal(kx, (rows, cols), jnp.float32, scale=3.0)
+    w = normal(kw, (rows, cols), jnp.float32)
+    where = jax.random.bernoulli(km, 0.8, (rows, cols)) if masked else None
+    for name in OPS:
+        assert_close(OPS[name][0](x, where=where), reference(name, x, where=where), jnp.float32)
+        _, vjp = jax.vjp(lambda a: OPS[name][0](a, where=where), x)
+        _, ref_vjp = jax.vjp(lambda a: OPS[name][1](a, where=where), x)
+        cot = jnp.where(where, w, 0) if masked else w  # masked log_softmax outputs are -inf
+        assert_close(vjp(cot)[0], ref_vjp(cot)[0], jnp.float32, atol=1e-5)
+    assert ON_GPU

@@ -3,13 +3,20 @@
 // Three paths by row length, each reading the input once where it can:
 //  - warp: rows <= 1024 columns live in registers of a group of 1..32 lanes;
 //  - cached: a block (or a Hopper thread-block cluster of up to 16 blocks) caches its slice of
-//    the row in shared memory; cluster partials are combined through distributed shared memory;
+//    the row in shared memory (filled by cp.async for 16-byte packs); cluster partials are
+//    combined through distributed shared memory. Block sizes favour several blocks (rows) per SM
+//    so one row's barriers overlap other rows' memory traffic;
 //  - uncached: rows too long for any cluster's shared memory make the fewest passes (online
 //    max/sum, then the output pass).
 // Masked entries are excluded by loading them as -inf (forward) or 0 (log_softmax backward) and
 // forcing their outputs; math is float32 (float64 for float64).
+#include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <type_traits>
+#include <vector>
+
+#include <cuda_pipeline.h>
 
 #include "common/cluster.cuh"
 #include "common/cuda_util.cuh"
@@ -181,16 +188,28 @@ backward_warp(const T* __restrict__ y, const T* __restrict__ dy, const bool* __r
 
 template <int V> using IC = std::integral_constant<int, V>;
 
-// Calls f(IC<W>, IC<K>) with the smallest warp shape that holds `cols` columns in packs of P.
-template <int P, class F>
+// Calls f(IC<W>, IC<K>) with the smallest warp shape that holds `cols` columns in packs of P
+// with at least MinK packs a lane. The forward asks for MinK = 2: a warp then covers two short
+// rows (or twice the bytes of one) per iteration, doubling the independent loads each warp
+// keeps in flight, which short rows need to saturate DRAM.
+template <int P, int MinK, class F>
 cudaError_t with_warp_shape(int64_t cols, F&& f) {
+  static_assert(MinK == 1 || MinK == 2, "warp shapes exist for one or two packs a lane");
   const int64_t packs = ceil_div<int64_t>(cols, P);
-  if (packs <= 1) return f(IC<1>{}, IC<1>{});
-  if (packs <= 2) return f(IC<2>{}, IC<1>{});
-  if (packs <= 4) return f(IC<4>{}, IC<1>{});
-  if (packs <= 8) return f(IC<8>{}, IC<1>{});
-  if (packs <= 16) return f(IC<16>{}, IC<1>{});
-  if (packs <= 32) return f(IC<32>{}, IC<1>{});
+  if constexpr (MinK == 1) {
+    if (packs <= 1) return f(IC<1>{}, IC<1>{});
+    if (packs <= 2) return f(IC<2>{}, IC<1>{});
+    if (packs <= 4) return f(IC<4>{}, IC<1>{});
+    if (packs <= 8) return f(IC<8>{}, IC<1>{});
+    if (packs <= 16) return f(IC<16>{}, IC<1>{});
+    if (packs <= 32) return f(IC<32>{}, IC<1>{});
+  } else {
+    if (packs <= 2) return f(IC<1>{}, IC<2>{});
+    if (packs <= 4) return f(IC<2>{}, IC<2>{});
+    if (packs <= 8) return f(IC<4>{}, IC<2>{});
+    if (packs <= 16) return f(IC<8>{}, IC<2>{});
+    if (packs <= 32) return f(IC<16>{}, IC<2>{});
+  }
   if (packs <= 64) return f(IC<32>{}, IC<2>{});
   if (packs <= 128) return f(IC<32>{}, IC<4>{});
   if constexpr (P <= 4) {
@@ -214,6 +233,64 @@ int64_t warp_grid(int64_t rows, int width, const DeviceInfo& dev) {
 // Cached path: the cluster's blocks split each row into slices of `slice` columns; each thread
 // only ever touches its own packs of the shared-memory cache, so the cache needs no barriers.
 
+// 16-byte packs can be copied global -> shared asynchronously (cp.async, sm_80+).
+template <class T, int P>
+constexpr bool kAsyncPack = sizeof(Pack<T, P>) == 16;
+
+// Copies this thread's packs of an unmasked slice into the cache and returns their max. The
+// copies are asynchronous: the whole slice is in flight at once and holds no registers, so
+// the load phase is one round trip, not one per batch of kUnroll loads. Each thread reads
+// back only the packs it copied itself, so no barrier is needed.
+template <class T, int P>
+__device__ __forceinline__ acc_t<T> cache_slice_async(const T* __restrict__ src, T* cache, int64_t npacks) {
+  static_assert(kAsyncPack<T, P>, "cp.async copies 16-byte packs");
+  using A = acc_t<T>;
+  for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x)
+    __pipeline_memcpy_async(cache + i * P, src + i * P, sizeof(Pack<T, P>));
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+  A m = neg_inf<A>();
+#pragma unroll 4
+  for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
+    const Pack<T, P> pk = load_pack<T, P>(cache + i * P);
+#pragma unroll
+    for (int p = 0; p < P; ++p) m = nan_max(m, to_acc(pk.v[p]));
+  }
+  return m;
+}
+
+// Same through registers, kUnroll loads in flight a thread; masked entries are cached as -inf.
+template <class T, int P>
+__device__ __forceinline__ acc_t<T> cache_slice(const T* __restrict__ src, const bool* __restrict__ mask,
+                                                T* cache, int64_t npacks) {
+  using A = acc_t<T>;
+  A m = neg_inf<A>();
+  for (int64_t i0 = threadIdx.x; i0 < npacks; i0 += kUnroll * blockDim.x) {
+    Pack<T, P> pk[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = i0 + u * blockDim.x;
+      if (i < npacks) pk[u] = load_pack<T, P>(src + i * P);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = i0 + u * blockDim.x;
+      if (i < npacks) {
+        if (mask) {
+          const Pack<bool, P> mk = load_pack<bool, P>(mask + i * P);
+#pragma unroll
+          for (int p = 0; p < P; ++p)
+            if (!mk.v[p]) pk[u].v[p] = from_acc<T>(neg_inf<A>());
+        }
+#pragma unroll
+        for (int p = 0; p < P; ++p) m = nan_max(m, to_acc(pk[u].v[p]));
+        store_pack<T, P>(cache + i * P, pk[u]);
+      }
+    }
+  }
+  return m;
+}
+
 template <class T, int P>
 __global__ void __launch_bounds__(1024)
 forward_cached(const T* __restrict__ x, const bool* __restrict__ mask, T* __restrict__ y, int64_t rows,
@@ -228,29 +305,12 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask, T* __rest
   const int64_t npacks = begin < cols ? (std::min(cols, begin + slice) - begin) / P : 0;
   for (int64_t row = blockIdx.x / nblocks; row < rows; row += gridDim.x / nblocks) {
     const int64_t off = row * cols + begin;
-    A m = neg_inf<A>();
-    for (int64_t i0 = threadIdx.x; i0 < npacks; i0 += kUnroll * blockDim.x) {
-      Pack<T, P> pk[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = i0 + u * blockDim.x;
-        if (i < npacks) pk[u] = load_pack<T, P>(x + off + i * P);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = i0 + u * blockDim.x;
-        if (i < npacks) {
-          if (mask) {
-            const Pack<bool, P> mk = load_pack<bool, P>(mask + off + i * P);
-#pragma unroll
-            for (int p = 0; p < P; ++p)
-              if (!mk.v[p]) pk[u].v[p] = from_acc<T>(neg_inf<A>());
-          }
-#pragma unroll
-          for (int p = 0; p < P; ++p) m = nan_max(m, to_acc(pk[u].v[p]));
-          store_pack<T, P>(cache + i * P, pk[u]);
-        }
-      }
+    A m;
+    if constexpr (kAsyncPack<T, P>) {
+      m = mask ? cache_slice<T, P>(x + off, mask + off, cache, npacks)
+               : cache_slice_async<T, P>(x + off, cache, npacks);
+    } else {
+      m = cache_slice<T, P>(x + off, mask ? mask + off : nullptr, cache, npacks);
     }
     m = block_reduce<MaxOp>(m, scratch);
     m = cluster_allreduce<MaxOp>(m, &slots[0], &bcast[0]);
@@ -480,6 +540,14 @@ struct CachedPlan {
   size_t smem = 0;
 };
 
+// Block sizes the cached kernels may use, largest first. A block's phases (load, reduce, exp,
+// write) serialize behind block and cluster barriers; only other rows' blocks on the same SM
+// keep DRAM busy meanwhile, so the plan takes the block size that fits the most blocks (rows)
+// per SM, the larger block on a tie. A thread handles at most kMaxPacksPerThread packs (four
+// batches of kUnroll loads) so a row's load phase stays a few round trips long.
+constexpr int kCachedThreads[] = {1024, 512, 256, 128};
+constexpr int64_t kMaxPacksPerThread = 4 * kUnroll;
+
 // Picks the smallest cluster whose blocks each cache at most kCachedBytesPerBlock of the row
 // (more if the cluster limit is reached); false when even the largest cluster cannot cache it.
 template <class Kernel>
@@ -495,14 +563,51 @@ bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, co
     const size_t smem = static_cast<size_t>(slice) * bytes_per_col;
     if (smem > smem_limit) return false;
     const int64_t packs = slice / pack;
-    const int threads = static_cast<int>(std::clamp<int64_t>(ceil_div<int64_t>(packs, 4 * 32) * 32, 128, 1024));
-    const int64_t resident = resident_clusters(kernel, threads, smem, cluster, dev);
-    if (resident > 0) {
-      *plan = {resident, cluster, slice, threads, smem};
+    CachedPlan best;
+    for (const int threads : kCachedThreads) {
+      if (threads != kCachedThreads[0] && packs > threads * kMaxPacksPerThread) break;
+      const int64_t resident = resident_clusters(kernel, threads, smem, cluster, dev);
+      if (resident > best.max_clusters) best = {resident, cluster, slice, threads, smem};
+    }
+    if (best.max_clusters > 0) {
+      *plan = best;
       return true;
     }
   }
   return false;
+}
+
+// plan_cached, remembered per (kernel, device, row shape): a plan costs several occupancy
+// queries, which would otherwise run on every call.
+template <class Kernel>
+bool remembered_plan(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, const DeviceInfo& dev,
+                     CachedPlan* plan) {
+  struct Entry {
+    const void* kernel;
+    int device;
+    int64_t cols;
+    size_t bytes_per_col;
+    CachedPlan plan;
+  };
+  static std::mutex mutex;
+  static std::vector<Entry> memo;
+  const void* key = reinterpret_cast<const void*>(kernel);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const Entry& e : memo) {
+      if (e.kernel == key && e.device == dev.device && e.cols == cols && e.bytes_per_col == bytes_per_col) {
+        *plan = e.plan;
+        return true;
+      }
+    }
+  }
+  // Failures are not remembered: they send the row to the uncached path, whose rows are so
+  // long that the queries' cost does not show.
+  if (!plan_cached(kernel, cols, pack, bytes_per_col, dev, plan)) return false;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (memo.size() >= 256) memo.erase(memo.begin());
+  memo.push_back({key, dev.device, cols, bytes_per_col, *plan});
+  return true;
 }
 
 // A persistent grid: every resident cluster loops over rows, so cluster scheduling is paid once.
@@ -518,14 +623,14 @@ template <class T, int P>
 cudaError_t forward_packed(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols, bool log,
                            cudaStream_t stream, const DeviceInfo& dev) {
   if (cols <= kWarpMaxCols) {
-    return with_warp_shape<P>(cols, [&](auto w, auto k) {
+    return with_warp_shape<P, 2>(cols, [&](auto w, auto k) {
       constexpr int W = decltype(w)::value, K = decltype(k)::value;
       forward_warp<T, P, W, K><<<warp_grid(rows, W, dev), kWarpBlockThreads, 0, stream>>>(x, mask, y, rows, cols, log);
       return cudaGetLastError();
     });
   }
   CachedPlan plan;
-  if (plan_cached(forward_cached<T, P>, cols, P, sizeof(T), dev, &plan)) {
+  if (remembered_plan(forward_cached<T, P>, cols, P, sizeof(T), dev, &plan)) {
     return launch_clustered(forward_cached<T, P>, cached_grid(rows, plan), plan.threads, plan.smem,
                             plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
   }
@@ -537,7 +642,7 @@ template <class T, int P>
 cudaError_t backward_packed(const T* y, const T* dy, const bool* mask, T* dx, int64_t rows, int64_t cols,
                             bool log, cudaStream_t stream, const DeviceInfo& dev) {
   if (cols <= kWarpMaxCols) {
-    return with_warp_shape<P>(cols, [&](auto w, auto k) {
+    return with_warp_shape<P, 1>(cols, [&](auto w, auto k) {
       constexpr int W = decltype(w)::value, K = decltype(k)::value;
       backward_warp<T, P, W, K><<<warp_grid(rows, W, dev), kWarpBlockThreads, 0, stream>>>(y, dy, mask, dx, rows,
                                                                                            cols, log);
@@ -545,7 +650,7 @@ cudaError_t backward_packed(const T* y, const T* dy, const bool* mask, T* dx, in
     });
   }
   CachedPlan plan;
-  if (plan_cached(backward_cached<T, P>, cols, P, 2 * sizeof(T), dev, &plan)) {
+  if (remembered_plan(backward_cached<T, P>, cols, P, 2 * sizeof(T), dev, &plan)) {
     return launch_clustered(backward_cached<T, P>, cached_grid(rows, plan), plan.threads, plan.smem,
                             plan.cluster, stream, y, dy, mask, dx, rows, cols, plan.slice, log);
   }
