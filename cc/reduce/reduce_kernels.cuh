@@ -87,15 +87,17 @@ __device__ __forceinline__ void emit(void* y, typename Op::State* ws, int64_t at
 // Independent packs in flight per thread: 8 for 2-byte types (128 B), else 4 (64 B; f64: 4 x
 // 16 B). Two-byte types carry twice the elements per byte, so with the same pack count a thread
 // would have half the bytes in flight of float32 for the same per-element work.
-template <class T>
+// The arg ops are the exception: their per-element compare/select/index work made 8 packs
+// compute-bound (session 3, H100: bf16 argmax rows fell from 0.68-0.83 to 0.54-0.64 of copy).
+template <class Op, class T>
 constexpr int unroll_for() {
-  return sizeof(T) <= 2 ? 8 : 4;
+  return sizeof(T) <= 2 && !Op::kIndex ? 8 : 4;
 }
 
 // Launch bounds. Without them ptxas keeps the 2-byte kernels near 32 registers by issuing
 // each 16-byte load right before its use, i.e. about one load in flight per thread (seen in
 // the SASS of the bf16 column kernel: load, use, load, use). Promising fewer resident blocks
-// lets it hold all unroll_for<T>() packs at once: 2-byte types get <= 80 registers at 256
+// lets it hold all unroll_for<Op, T>() packs at once: 2-byte types get <= 80 registers at 256
 // threads (>= 3 blocks, 768 threads x 128 B = 96 KB in flight per SM). 4-byte types with a
 // 4-byte state (sum, max) keep <= 48 (>= 5 blocks, 1280 x 64 B), wider states (logsumexp,
 // arg) <= 64 (>= 4 blocks): near the unhinted counts, without spills. float64 gets <= 128
@@ -143,7 +145,7 @@ __device__ __forceinline__ typename Op::State fold_slots(typename Op::State (&ac
 template <class Op, class T, int P, class Idx = int64_t>
 __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx begin, Idx end, int t,
                                          int nthreads) {
-  constexpr int U = unroll_for<T>(), S = slots_for<P>();
+  constexpr int U = unroll_for<Op, T>(), S = slots_for<P>();
   typename Op::State acc[S];
 #pragma unroll
   for (int j = 0; j < S; ++j) acc[j] = Op::identity();
@@ -167,7 +169,7 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
 }
 
 // inner == 1, short rows: `group` lanes per row (a power of two, 8..32), 32 / group rows per
-// warp. Short rows get fewer lanes so each lane still has unroll_for<T>() packs in flight
+// warp. Short rows get fewer lanes so each lane still has unroll_for<Op, T>() packs in flight
 // (a 1024-long bf16 row is 128 packs: 16 lanes x 8, two rows per warp); never fewer than 8
 // lanes, so every warp load covers whole 128-byte segments. Group merges use xor shuffles
 // with offsets < group, which stay inside the aligned group of lanes.
@@ -224,7 +226,7 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T>(256))
     for (int j = 0; j < P; ++j) s[j] = Op::identity();
     if (col < inner) {
       const T* xo = x + o * n * inner + col;
-      constexpr int U = unroll_for<T>();  // rows in flight per thread (16 B each when P > 1)
+      constexpr int U = unroll_for<Op, T>();  // rows in flight per thread (16 B each when P > 1)
       int64_t r = begin + ty;
       for (; r + (U - 1) * TY < end; r += U * TY) {
         Pack<T, P> pk[U];
@@ -327,7 +329,7 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
     constexpr int kWarps = 8;
     const int64_t packs = (n + P - 1) / P;
     int group = 32;
-    while (group > kMinRowLanes && static_cast<int64_t>(group) * unroll_for<T>() > packs) group /= 2;
+    while (group > kMinRowLanes && static_cast<int64_t>(group) * unroll_for<Op, T>() > packs) group /= 2;
     const int64_t rows_per_block = kWarps * (32 / group);
     row_warp_kernel<Op, T, P><<<grid_for((p.outer + rows_per_block - 1) / rows_per_block), kWarps * 32, 0,
                                 stream>>>(x, y, p.outer, n, group);
