@@ -421,10 +421,8 @@ def nudge_off_kink(x, scale, bias, res):
     return (res.astype(jnp.float32) + jnp.where(jnp.abs(z) < 0.01, 0.05, 0.0)).astype(res.dtype)
 
 
-@gpu_only
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_resnet_shape(key, dtype):
-    shape = (16, 112, 112, 32)
+def check_large_add_relu(key, shape, dtype):
+    """Forward and gradients of BN+Add+ReLU on a large channel-last input against ref_bn."""
     x, scale, bias, res = inputs(key, shape, -1, dtype, True)
     res = nudge_off_kink(x, scale, bias, res)
     out = jaxops.batch_norm(x, scale, bias, residual=res, activation="relu")
@@ -440,6 +438,12 @@ def test_gpu_resnet_shape(key, dtype):
         close(a, e, GTOL[d] if d != jnp.float32 else 1e-3)
 
 
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_resnet_shape(key, dtype):
+    check_large_add_relu(key, (16, 112, 112, 32), dtype)
+
+
 # Register-coefficient elementwise path (bn_elementwise.cu fixed_grid): past 132*32 blocks of
 # 8 warps x 32 x P elements the grid stride must be a multiple of C elements. C = 130 takes the
 # "multiple of q" grid (q = 65); C = 4229 (prime, q = C above 132*32 blocks) the q-block grid.
@@ -447,16 +451,4 @@ def test_gpu_resnet_shape(key, dtype):
 @pytest.mark.parametrize("shape,dtype", [((36000, 130), jnp.float32), ((1100, 4229), jnp.float32),
                                          ((70000, 130), jnp.bfloat16)])
 def test_gpu_strided_channels(key, shape, dtype):
-    x, scale, bias, res = inputs(key, shape, -1, dtype, True)
-    res = nudge_off_kink(x, scale, bias, res)
-    out = jaxops.batch_norm(x, scale, bias, residual=res, activation="relu")
-    ref = ref_bn(x, scale, bias, residual=res, activation="relu")
-    d = jnp.dtype(dtype).type
-    for a, e in zip(out, ref):
-        close(a, e, TOL[d] if d != jnp.float32 else 1e-4)
-    w = npnormal(rng(jax.random.fold_in(key, 5)), shape, dtype)
-    loss = lambda fn: lambda x, s, r: jnp.sum(fn(x, s, bias, residual=r, activation="relu")[0].astype(jnp.float32) * w)
-    g = jax.grad(loss(jaxops.batch_norm), argnums=(0, 1, 2))(x, scale, res)
-    gr = jax.grad(loss(ref_bn), argnums=(0, 1, 2))(x, scale, res)
-    for a, e in zip(g, gr):
-        close(a, e, GTOL[d] if d != jnp.float32 else 1e-3)
+    check_large_add_relu(key, shape, dtype)
