@@ -232,6 +232,76 @@ __global__ void __launch_bounds__(1024) forward_block(ForwardArgs a) {
   }
 }
 
+// forward_rows' largest block for kPacks packs per thread: its register cap (65536 / threads)
+// must hold the row data (kPacks * 4 registers) without spills.
+constexpr int rows_max_threads(int packs) { return packs >= 16 ? 256 : packs >= 8 ? 512 : 1024; }
+
+// One block per row, the row in registers: thread t owns packs t + k * blockDim.x, k < kPacks
+// (the host guarantees npacks <= kPacks * blockDim.x). All of a thread's loads are issued
+// before the first reduction, and the small blocks (32-512 threads, chosen on the host for the
+// most resident rows per SM) let other rows' loads run while one block reduces; forward_block
+// (1 row per 512-1024 threads through a shared cache) left DRAM idle during its reductions.
+template <class T, int kPack, int kPacks>
+__global__ void __launch_bounds__(rows_max_threads(kPacks)) forward_rows(ForwardArgs a) {
+  using A = acc_t<T>;
+  __shared__ A scratch[64];
+  const Shape s = a.shape;
+  const int64_t npacks = s.cols / kPack;
+  const T* x = static_cast<const T*>(a.x);
+  for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
+    const A shift = row_shift<T>(s, x, row);
+    const T* xrow = x + row * s.cols;
+    Pack<T, kPack> xp[kPacks];
+    A sum = 0, unused = 0;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = threadIdx.x + k * blockDim.x;  // npacks <= 4096: see the launcher
+      if (p < npacks) {
+        xp[k] = load_pack<T, kPack>(xrow + p * kPack);
+#pragma unroll
+        for (int e = 0; e < kPack; ++e) sum += to_acc(xp[k].v[e]) - shift;
+      }
+    }
+    A mean_rel = 0;
+    if (!s.rms) {
+      block_sum2(sum, unused, scratch);
+      mean_rel = sum / A(s.cols);
+    }
+    if constexpr (sizeof(T) == 2) {  // see forward_team: keep 16-bit packs, not their floats
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) opaque_regs(xp[k]);
+    }
+    A sq = 0;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = threadIdx.x + k * blockDim.x;  // npacks <= 4096: see the launcher
+      if (p < npacks) {
+#pragma unroll
+        for (int e = 0; e < kPack; ++e) {
+          const A d = (to_acc(xp[k].v[e]) - shift) - mean_rel;
+          sq += d * d;
+        }
+      }
+    }
+    block_sum2(sq, unused, scratch);
+    const A rstd = inv_sqrt(sq / A(s.cols) + A(s.epsilon));
+    if constexpr (sizeof(T) == 2) {
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) opaque_regs(xp[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = threadIdx.x + k * blockDim.x;  // npacks <= 4096: see the launcher
+      if (p < npacks) write_y<T, kPack>(a, xp[k], row, p * kPack, shift, mean_rel, rstd);
+      // Keeps ptxas from hoisting every pack's scale/bias loads (L1/L2 hits shared by all rows)
+      // above the first store. (The spill at 16 float packs was cured by the 32-bit pack
+      // indices, 64-bit ones took a register pair per pack; this fence was not measured.)
+      if (k % 4 == 3) asm volatile("" ::: "memory");
+    }
+    if (threadIdx.x == 0) write_stats<T>(a, row, shift + mean_rel, rstd);
+  }
+}
+
 // Running (count, mean, sum of squared deviations); merged with Chan et al.'s formula.
 template <class A>
 struct Welford {
