@@ -219,17 +219,3 @@ def test_cached_paths_reuse_cache_across_rows(rows, cols, masked, key):
         cot = jnp.where(where, w, 0) if masked else w  # masked log_softmax outputs are -inf
         assert_close(vjp(cot)[0], ref_vjp(cot)[0], jnp.float32, atol=1e-5)
     assert ON_GPU
-
-
-@gpu_only
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("rows,cols", [(3001, 2048), (1531, 8192), (5, 4096)])
-def test_double_buffered_cached_rows(dtype, rows, cols, key):
-    """Unmasked one-block rows prefetch the block's next row into a second shared-memory buffer
-    (cp.async) while the current one is reduced: row counts that do not divide the grid, fewer
-    rows than blocks (no next row), every row checked against its own reference."""
-    x = normal(key, (rows, cols), dtype, scale=3.0)
-    x = x.at[rows // 2].set(x[rows // 2] + 100.0)  # a neighbour's stats must not leak across buffers
-    for name in OPS:
-        assert_close(OPS[name][0](x), reference(name, x), dtype)
-    assert ON_GPU

@@ -259,33 +259,6 @@ __device__ __forceinline__ acc_t<T> cache_slice_async(const T* __restrict__ src,
   return m;
 }
 
-// Double-buffered variant of cache_slice_async, split in two: the block issues the NEXT row's
-// copies into the spare buffer before working on the current row, so DRAM reads stay in flight
-// through the current row's barriers, exp and stores (a single buffer exposes one round trip per
-// row: the refill can only start after the output pass). One commit group per row, empty when
-// there is no next row, so `__pipeline_wait_prior(1)` always means "the current row arrived".
-template <class T, int P>
-__device__ __forceinline__ void issue_slice_async(const T* __restrict__ src, T* cache, int64_t npacks) {
-  static_assert(kAsyncPack<T, P>, "cp.async copies 16-byte packs");
-  for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x)
-    __pipeline_memcpy_async(cache + i * P, src + i * P, sizeof(Pack<T, P>));
-  __pipeline_commit();
-}
-
-// Max over this thread's own packs of the cache (the ones its copies filled).
-template <class T, int P>
-__device__ __forceinline__ acc_t<T> own_packs_max(const T* cache, int64_t npacks) {
-  using A = acc_t<T>;
-  A m = neg_inf<A>();
-#pragma unroll 4
-  for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
-    const Pack<T, P> pk = load_pack<T, P>(cache + i * P);
-#pragma unroll
-    for (int p = 0; p < P; ++p) m = nan_max(m, to_acc(pk.v[p]));
-  }
-  return m;
-}
-
 // Same through registers, kUnroll loads in flight a thread; masked entries are cached as -inf.
 template <class T, int P>
 __device__ __forceinline__ acc_t<T> cache_slice(const T* __restrict__ src, const bool* __restrict__ mask,
@@ -321,42 +294,21 @@ __device__ __forceinline__ acc_t<T> cache_slice(const T* __restrict__ src, const
 template <class T, int P>
 __global__ void __launch_bounds__(1024)
 forward_cached(const T* __restrict__ x, const bool* __restrict__ mask, T* __restrict__ y, int64_t rows,
-               int64_t cols, int64_t slice, bool log, bool double_buffer) {
+               int64_t cols, int64_t slice, bool log) {
   using A = acc_t<T>;
   extern __shared__ __align__(16) unsigned char smem[];
-  // double_buffer (host: unmasked 16-byte packs only; dynamic smem holds 2 slices): `cache` is
-  // the current row's slice, `spare` receives the next row's while this one is processed.
   T* cache = reinterpret_cast<T*>(smem);
-  T* spare = cache + slice;
   __shared__ A scratch[33];
   __shared__ A slots[2], bcast[2];
   const unsigned nblocks = cluster_blocks(), rank = cluster_rank();
   const int64_t begin = int64_t(rank) * slice;
   const int64_t npacks = begin < cols ? (std::min(cols, begin + slice) - begin) / P : 0;
-  const int64_t row_stride = gridDim.x / nblocks;
-  if constexpr (kAsyncPack<T, P>) {
-    const int64_t first = blockIdx.x / nblocks;
-    if (double_buffer && first < rows) issue_slice_async<T, P>(x + first * cols + begin, cache, npacks);
-  }
-  for (int64_t row = blockIdx.x / nblocks; row < rows; row += row_stride) {
+  for (int64_t row = blockIdx.x / nblocks; row < rows; row += gridDim.x / nblocks) {
     const int64_t off = row * cols + begin;
     A m;
     if constexpr (kAsyncPack<T, P>) {
-      if (double_buffer) {
-        // `spare` was last read by this thread's own output pass of the previous row (values
-        // already consumed), and each thread only copies into its own packs: no barrier.
-        const int64_t next = row + row_stride;
-        if (next < rows) {
-          issue_slice_async<T, P>(x + next * cols + begin, spare, npacks);
-        } else {
-          __pipeline_commit();
-        }
-        __pipeline_wait_prior(1);
-        m = own_packs_max<T, P>(cache, npacks);
-      } else {
-        m = mask ? cache_slice<T, P>(x + off, mask + off, cache, npacks)
-                 : cache_slice_async<T, P>(x + off, cache, npacks);
-      }
+      m = mask ? cache_slice<T, P>(x + off, mask + off, cache, npacks)
+               : cache_slice_async<T, P>(x + off, cache, npacks);
     } else {
       m = cache_slice<T, P>(x + off, mask ? mask + off : nullptr, cache, npacks);
     }
@@ -390,11 +342,6 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask, T* __rest
           if (!mk.v[p]) out.v[p] = from_acc<T>(masked_out<A>(log));
       }
       store_pack<T, P>(y + off + i * P, out);
-    }
-    if (double_buffer) {
-      T* const done = cache;
-      cache = spare;
-      spare = done;
     }
   }
   if (nblocks > 1) cluster_sync();  // peers may still read this block's slots
@@ -591,7 +538,6 @@ struct CachedPlan {
   int64_t slice = 0;  // columns per block, a multiple of the pack
   int threads = 0;
   size_t smem = 0;
-  bool double_buffer = false;  // forward_cached: smem holds two slices (see issue_slice_async)
 };
 
 // Block sizes the cached kernels may use, largest first. A block's phases (load, reduce, exp,
@@ -631,35 +577,16 @@ bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, co
   return false;
 }
 
-// A double-buffered block always has a whole slice of loads in flight, so fewer blocks suffice:
-// it is used for one-block rows when at least kMinDoubleBufferBlocks such blocks (3 x 16-32 KB
-// in flight, against the ~32-40 KB an SM needs) and half the single-buffered count stay resident.
-constexpr int64_t kMinDoubleBufferBlocks = 3;
-
-template <class Kernel>
-void try_double_buffer(Kernel kernel, const DeviceInfo& dev, CachedPlan* plan) {
-  if (plan->cluster != 1) return;
-  const size_t smem = 2 * plan->smem;
-  if (smem > static_cast<size_t>(dev.max_smem_optin) - 1024) return;
-  const int64_t resident = resident_clusters(kernel, plan->threads, smem, 1, dev);
-  if (resident >= kMinDoubleBufferBlocks && 2 * resident >= plan->max_clusters) {
-    plan->smem = smem;
-    plan->max_clusters = resident;
-    plan->double_buffer = true;
-  }
-}
-
-// plan_cached (then try_double_buffer when asked), remembered per (kernel, device, row shape):
-// a plan costs several occupancy queries, which would otherwise run on every call.
+// plan_cached, remembered per (kernel, device, row shape): a plan costs several occupancy
+// queries, which would otherwise run on every call.
 template <class Kernel>
 bool remembered_plan(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, const DeviceInfo& dev,
-                     CachedPlan* plan, bool double_buffer = false) {
+                     CachedPlan* plan) {
   struct Entry {
     const void* kernel;
     int device;
     int64_t cols;
     size_t bytes_per_col;
-    bool double_buffer;
     CachedPlan plan;
   };
   static std::mutex mutex;
@@ -668,8 +595,7 @@ bool remembered_plan(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col
   {
     std::lock_guard<std::mutex> lock(mutex);
     for (const Entry& e : memo) {
-      if (e.kernel == key && e.device == dev.device && e.cols == cols && e.bytes_per_col == bytes_per_col &&
-          e.double_buffer == double_buffer) {
+      if (e.kernel == key && e.device == dev.device && e.cols == cols && e.bytes_per_col == bytes_per_col) {
         *plan = e.plan;
         return true;
       }
@@ -678,10 +604,9 @@ bool remembered_plan(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col
   // Failures are not remembered: they send the row to the uncached path, whose rows are so
   // long that the queries' cost does not show.
   if (!plan_cached(kernel, cols, pack, bytes_per_col, dev, plan)) return false;
-  if (double_buffer) try_double_buffer(kernel, dev, plan);
   std::lock_guard<std::mutex> lock(mutex);
   if (memo.size() >= 256) memo.erase(memo.begin());
-  memo.push_back({key, dev.device, cols, bytes_per_col, double_buffer, *plan});
+  memo.push_back({key, dev.device, cols, bytes_per_col, *plan});
   return true;
 }
 
@@ -705,13 +630,9 @@ cudaError_t forward_packed(const T* x, const bool* mask, T* y, int64_t rows, int
     });
   }
   CachedPlan plan;
-  // Double buffering needs cp.async (16-byte packs) and an unmasked row (masked rows go through
-  // registers); the memo keys on it, so masked calls keep single-buffer plans.
-  const bool want_double = kAsyncPack<T, P> && mask == nullptr;
-  if (remembered_plan(forward_cached<T, P>, cols, P, sizeof(T), dev, &plan, want_double)) {
+  if (remembered_plan(forward_cached<T, P>, cols, P, sizeof(T), dev, &plan)) {
     return launch_clustered(forward_cached<T, P>, cached_grid(rows, plan), plan.threads, plan.smem,
-                            plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log,
-                            plan.double_buffer && want_double);
+                            plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
   }
   forward_uncached<T, P><<<uncached_grid(rows, dev), 1024, 0, stream>>>(x, mask, y, rows, cols, log);
   return cudaGetLastError();
