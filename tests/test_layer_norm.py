@@ -326,19 +326,6 @@ def test_many_rows_gpu(key, dtype):
         close(g, w, dtype, 2.0)
 
 
-@gpu_only
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("cols", [2048, 8192])
-def test_register_rows_grid_stride_gpu(key, dtype, cols):
-    # forward_rows (one block per row held in registers, 8 or 16 packs per thread) with more
-    # rows than its occupancy-sized grid (132 SMs x a few blocks), so blocks loop over rows.
-    k1, k2 = jax.random.split(key)
-    x = normal(k1, (3001, cols), dtype, scale=2.0) + jnp.asarray(1.0, dtype)
-    scale, bias = params(k2, cols, dtype)
-    close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
-    close(jaxops.rms_norm(x, scale), rms_ref(x, scale), dtype)
-
-
 def test_misaligned_rows_fall_back_to_scalar_packs(key):
     # cols not a multiple of the 16-byte pack: scalar loads in every path.
     k1, k2 = jax.random.split(key)

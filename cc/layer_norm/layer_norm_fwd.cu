@@ -44,61 +44,12 @@ cudaError_t launch_wide(const ForwardArgs& a, const cuda::DeviceInfo& info, cuda
   return cudaErrorInvalidValue;  // unreachable: the caller checked the capacity
 }
 
-// Rows of 2048..16384 float (npacks <= 16 * 256): one block per row, the row in registers.
-// Of 8 and 16 packs per thread (block = packs / that, rounded up to warps), takes the one with
-// the most resident rows per SM (ties: 8, more threads), as the softmax cached path does; the
-// grid is that many blocks per SM. 4 packs per thread never won (f32 8192: 2 blocks of 512 vs
-// 4 of 128 threads at 16 packs, 128 registers). Returns cudaErrorNotSupported if none fits.
-template <class T, int kPack, int kPacks>
-cudaError_t try_rows(int64_t npacks, int* best_rows, int* best_packs, int* best_threads) {
-  const int64_t t = (npacks + kPacks - 1) / kPacks;
-  const int threads = static_cast<int>((t + 31) / 32 * 32);
-  if (threads > rows_max_threads(kPacks)) return cudaSuccess;
-  int per_sm = 0;
-  if (cudaError_t err = prepare(forward_rows<T, kPack, kPacks>, threads, 0, &per_sm); err != cudaSuccess)
-    return err;
-  if (per_sm > *best_rows) {
-    *best_rows = per_sm;
-    *best_packs = kPacks;
-    *best_threads = threads;
-  }
-  return cudaSuccess;
-}
-
-template <class T, int kPack>
-cudaError_t launch_rows(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
-  const int64_t npacks = a.shape.cols / kPack;
-  int rows = 0, packs = 0, threads = 0;
-  if (cudaError_t err = try_rows<T, kPack, 8>(npacks, &rows, &packs, &threads); err != cudaSuccess) return err;
-  if constexpr (sizeof(T) < 8) {  // double at 16 packs (150 registers) would rarely win: untested
-    if (cudaError_t err = try_rows<T, kPack, 16>(npacks, &rows, &packs, &threads); err != cudaSuccess) return err;
-  }
-  if (packs == 0) return cudaErrorNotSupported;
-  const int64_t grid = std::min<int64_t>(a.shape.rows, int64_t{info.sm_count} * rows);
-  const dim3 g(static_cast<unsigned>(grid)), b(static_cast<unsigned>(threads));
-  if constexpr (sizeof(T) < 8) {
-    if (packs == 16) {
-      forward_rows<T, kPack, 16><<<g, b, 0, stream>>>(a);
-      return cudaGetLastError();
-    }
-  }
-  forward_rows<T, kPack, 8><<<g, b, 0, stream>>>(a);
-  return cudaGetLastError();
-}
-
 template <class T, int kPack>
 cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
   const int64_t npacks = a.shape.cols / kPack;
   constexpr int64_t kMaxTeamPacks = kPack > 1 ? 32 * std::min(8, 32 / kPack) : 32;
   if (npacks <= 32) return launch_narrow<T, kPack>(a, info, stream, team_width(npacks));
   if (npacks <= kMaxTeamPacks) return launch_wide<T, kPack>(a, info, stream, team_packs(npacks));
-
-  if constexpr (kPack > 1) {
-    if (npacks <= int64_t{16} * rows_max_threads(16)) {
-      const cudaError_t err = launch_rows<T, kPack>(a, info, stream);
-      if (err != cudaErrorNotSupported) return err;
-    }
-  }
 
   using A = acc_t<T>;
   const int threads = block_threads(npacks, 4);
