@@ -30,7 +30,6 @@ import dataclasses
 import gc
 import json
 import math
-import re
 import sys
 import time
 import traceback
@@ -43,6 +42,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxops
+from jaxops.bench.hlo import gather_sizes
 from jaxops.bench.timing import _batched
 
 HBM_BYTES_PER_S = 4e12  # H200 achievable copy bandwidth, for the size/time plan only
@@ -121,17 +121,6 @@ def cases(scale: float, n_dev: int) -> list[Case]:
                     (m + n) * d * 4 + m * k * 8, flops=2.0 * m * n * d,
                     max_gather=m * k * n_dev, index_mismatch=1e-3))
     return out
-
-
-def gather_sizes(hlo: str) -> list[int]:
-    """Element counts of every all-gather result in compiled HLO text."""
-    sizes = []
-    for line in hlo.splitlines():
-        m = re.search(r"=\s*(.*?)\s+all-gather(?:-start)?\(", line)
-        if m:
-            dims = re.findall(r"\w+\[([\d,]*)\]", m.group(1))
-            sizes.append(max(math.prod(int(x) for x in ds.split(",") if x) for ds in dims))
-    return sizes
 
 
 def _first_shard(a, spec, n_dev: int):
