@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from jaxops.bench.case import Case, Options
-from jaxops.bench.timing import copy_bandwidth, time_fn
+from jaxops.bench.timing import clock_name, copy_bandwidth, time_fn
 
 FAMILIES = ("softmax", "layer_norm", "normalization", "reductions", "knn")
 
@@ -65,7 +65,7 @@ def run_case(case: Case, copies: int, repeats: int, copy_bw: float, inner: int) 
 
 
 def format_table(rows: list[dict[str, Any]], copy_bw: float, device: str) -> str:
-    head = (f"device: {device}   copy bandwidth: {copy_bw / 1e12:.3f} TB/s\n"
+    head = (f"device: {device}   copy bandwidth: {copy_bw / 1e12:.3f} TB/s   clock: {clock_name()}\n"
             f"{'op':<24} {'shape':<22} {'dtype':<9} {'jaxops us':>10} {'XLA us':>10} "
             f"{'speed-up':>8} {'jaxops/copy':>11} {'XLA/copy':>9}  note")
     lines = [head, "-" * len(head.splitlines()[1])]
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(rows[-1:], copy_bw, device).splitlines()[-1], flush=True)
         if args.json:  # rewritten after every case for the same reason
             with open(args.json, "w") as f:
-                json.dump({"device": device, "copy_bandwidth": copy_bw, "date": time.strftime("%Y-%m-%d"),
+                json.dump({"device": device, "clock": clock_name(), "copy_bandwidth": copy_bw, "date": time.strftime("%Y-%m-%d"),
                            "jax": jax.__version__, "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
     _progress(len(cases), len(cases), "done")
 

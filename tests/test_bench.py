@@ -1,0 +1,51 @@
+"""The benchmark harness: device-time splitting of profiled dispatches, and the CLI end to end."""
+import json
+
+import pytest
+
+from jaxops.bench import device_clock
+from jaxops.bench.cli import main as bench_main
+
+
+def _dispatch(t0, kernels):
+    """Back-to-back activities starting at t0 (ns), each (duration, gap before the next)."""
+    out, t = [], t0
+    for dur, gap in kernels:
+        out.append((t, t + dur))
+        t += dur + gap
+    return out
+
+
+def test_split_cuts_at_the_host_gaps():
+    # three dispatches of three kernels; small gaps inside, 300 us of host time between them
+    d = [_dispatch(t0, [(100_000, 2_000), (5_000, 1_000), (100_000, 0)])
+         for t0 in (0, 510_000, 1_020_000)]
+    chunks = device_clock._split(sorted(sum(d, [])), 3)
+    assert chunks == d
+    spans = [(max(e for _, e in c) - c[0][0]) for c in chunks]
+    assert spans == [208_000] * 3  # the idle gaps inside a dispatch count, those between do not
+
+
+def test_split_handles_overlapping_activities():
+    # a kernel that ends after the next one starts (two streams) must not open a false gap
+    a = [(0, 100), (10, 500), (490, 600)]
+    b = [(x + 10_000, y + 10_000) for x, y in a]
+    assert device_clock._split(a + b, 2) == [a, b]
+
+
+@pytest.mark.parametrize("events,dispatches", [
+    ([(0, 10), (100, 110), (200, 210)], 2),                        # not divisible
+    ([(0, 10), (1000, 1010), (1020, 1030), (1040, 1050)], 2),      # uneven chunks
+])
+def test_split_refuses_what_it_cannot_tell_apart(events, dispatches):
+    assert device_clock._split(events, dispatches) is None
+
+
+def test_cli_records_the_clock(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert bench_main(["--ops", "relu", "--shapes", "257", "--dtypes", "float32", "--repeats", "2",
+                       "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["clock"] in ("wall", "device (CUPTI kernel spans)")
+    assert [r["op"] for r in data["rows"]] == ["relu"] and data["rows"][0]["jaxops_us"] > 0
+    assert "clock:" in capsys.readouterr().out
