@@ -78,13 +78,16 @@ def dispatch_seconds(run: Callable[[], object], dispatches: int) -> list[float] 
     per_device = _device_events(xspace)
     if not per_device:
         return None
-    spans: list[float] = [0.0] * dispatches
+    first = [float("inf")] * dispatches
+    last = [float("-inf")] * dispatches
     for events in per_device.values():
         chunks = _split(events, dispatches)
         if chunks is None:
             return None
-        for i, chunk in enumerate(chunks):  # the slowest device sets a dispatch's time
-            spans[i] = max(spans[i], (max(e for _, e in chunk) - chunk[0][0]) * 1e-9)
+        for i, chunk in enumerate(chunks):  # on several devices: earliest start to latest end
+            first[i] = min(first[i], chunk[0][0])
+            last[i] = max(last[i], max(e for _, e in chunk))
+    spans = [(b - a) * 1e-9 for a, b in zip(first, last)]
     return spans
 
 
