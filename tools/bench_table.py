@@ -8,8 +8,8 @@ import sys
 def table(path: str) -> str:
     data = json.load(open(path))
     lines = [
-        f"Device: {data['device']}; jax {data['jax']}; {data['date']}; copy bandwidth "
-        f"{data['copy_bandwidth'] / 1e12:.2f} TB/s (same run).",
+        f"Device: {data['device']}; jax {data['jax']}; {data['date']}; clock: "
+        f"{data.get('clock', 'wall')}; copy bandwidth {data['copy_bandwidth'] / 1e12:.2f} TB/s (same run).",
         "",
         "| op | shape | dtype | jaxops µs | XLA µs | speed-up | jaxops / copy | XLA / copy | note |",
         "|---|---|---|---:|---:|---:|---:|---:|---|",
