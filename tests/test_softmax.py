@@ -219,3 +219,33 @@ def test_cached_paths_reuse_cache_across_rows(rows, cols, masked, key):
         cot = jnp.where(where, w, 0) if masked else w  # masked log_softmax outputs are -inf
         assert_close(vjp(cot)[0], ref_vjp(cot)[0], jnp.float32, atol=1e-5)
     assert ON_GPU
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("rows,cols", [(5000, 1028), (3000, 4096), (2000, 8192), (600, 32772)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_cached_forward_refill_across_rows(dtype, rows, cols, masked, key):
+    """More rows than resident blocks/clusters in every dtype: unmasked rows of 16-byte packs run
+    the unmaskable kernel, which requests each block's next row while writing the current one
+    (odd packs a thread at 1028 columns, a short last cluster slice at 32772); masked rows the
+    maskable kernel. Every row checked."""
+    kx, km = jax.random.split(key)
+    x = normal(kx, (rows, cols), dtype, scale=3.0)
+    where = jax.random.bernoulli(km, 0.8, (rows, cols)) if masked else None
+    for name in OPS:
+        assert_close(OPS[name][0](x, where=where), reference(name, x, where=where), dtype)
+    assert ON_GPU
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("cols", [4, 8, 16, 32, 64, 128, 256, 512, 1024])
+def test_every_warp_shape_over_many_rows(dtype, cols, key):
+    """Every warp-group width with (at least) two packs a lane, with enough rows that each warp
+    loops over several row groups."""
+    rows = 600_000 if cols <= 64 else 40_000
+    x = normal(key, (rows, cols), dtype, scale=3.0)
+    for name in OPS:
+        assert_close(OPS[name][0](x), reference(name, x), dtype)
+    assert ON_GPU

@@ -3,9 +3,10 @@
 // Three paths by row length, each reading the input once where it can:
 //  - warp: rows <= 1024 columns live in registers of a group of 1..32 lanes;
 //  - cached: a block (or a Hopper thread-block cluster of up to 16 blocks) caches its slice of
-//    the row in shared memory (filled by cp.async for 16-byte packs); cluster partials are
-//    combined through distributed shared memory. Block sizes favour several blocks (rows) per SM
-//    so one row's barriers overlap other rows' memory traffic;
+//    the row in shared memory (filled by cp.async for 16-byte packs, the next row requested
+//    while the current one is written); cluster partials are combined through distributed
+//    shared memory. Block sizes favour several blocks (rows) per SM so one row's barriers
+//    overlap other rows' memory traffic;
 //  - uncached: rows too long for any cluster's shared memory make the fewest passes (online
 //    max/sum, then the output pass).
 // Masked entries are excluded by loading them as -inf (forward) or 0 (log_softmax backward) and
@@ -237,17 +238,21 @@ int64_t warp_grid(int64_t rows, int width, const DeviceInfo& dev) {
 template <class T, int P>
 constexpr bool kAsyncPack = sizeof(Pack<T, P>) == 16;
 
-// Copies this thread's packs of an unmasked slice into the cache and returns their max. The
-// copies are asynchronous: the whole slice is in flight at once and holds no registers, so
-// the load phase is one round trip, not one per batch of kUnroll loads. Each thread reads
-// back only the packs it copied itself, so no barrier is needed.
+// Requests this thread's packs of an unmasked slice into the cache, asynchronously: the whole
+// slice is in flight at once and holds no registers.
 template <class T, int P>
-__device__ __forceinline__ acc_t<T> cache_slice_async(const T* __restrict__ src, T* cache, int64_t npacks) {
+__device__ __forceinline__ void request_slice_async(const T* __restrict__ src, T* cache, int64_t npacks) {
   static_assert(kAsyncPack<T, P>, "cp.async copies 16-byte packs");
-  using A = acc_t<T>;
   for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x)
     __pipeline_memcpy_async(cache + i * P, src + i * P, sizeof(Pack<T, P>));
   __pipeline_commit();
+}
+
+// Waits for this thread's requested packs and returns their max. Each thread reads back only
+// the packs it requested itself, so no barrier is needed.
+template <class T, int P>
+__device__ __forceinline__ acc_t<T> max_of_requested(const T* cache, int64_t npacks) {
+  using A = acc_t<T>;
   __pipeline_wait_prior(0);
   A m = neg_inf<A>();
 #pragma unroll 4
@@ -291,11 +296,16 @@ __device__ __forceinline__ acc_t<T> cache_slice(const T* __restrict__ src, const
   return m;
 }
 
-template <class T, int P>
+// kMaskable = false compiles the unmasked kernel alone (mask_arg is ignored): without the
+// register-staged masked load path it needs far fewer registers, so more blocks (rows) fit an SM
+// where shared memory allows (16-byte packs only: every unmasked row then takes cp.async).
+template <class T, int P, bool kMaskable>
 __global__ void __launch_bounds__(1024)
-forward_cached(const T* __restrict__ x, const bool* __restrict__ mask, T* __restrict__ y, int64_t rows,
+forward_cached(const T* __restrict__ x, const bool* __restrict__ mask_arg, T* __restrict__ y, int64_t rows,
                int64_t cols, int64_t slice, bool log) {
+  static_assert(kMaskable || kAsyncPack<T, P>, "the unmaskable kernel copies 16-byte packs");
   using A = acc_t<T>;
+  const bool* const mask = kMaskable ? mask_arg : nullptr;
   extern __shared__ __align__(16) unsigned char smem[];
   T* cache = reinterpret_cast<T*>(smem);
   __shared__ A scratch[33];
@@ -303,12 +313,23 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask, T* __rest
   const unsigned nblocks = cluster_blocks(), rank = cluster_rank();
   const int64_t begin = int64_t(rank) * slice;
   const int64_t npacks = begin < cols ? (std::min(cols, begin + slice) - begin) / P : 0;
-  for (int64_t row = blockIdx.x / nblocks; row < rows; row += gridDim.x / nblocks) {
+  // Unmasked 16-byte packs: each thread requests its packs of the next row right after writing
+  // its output for them (it owns those cache entries, so no barrier), so the next row's loads
+  // are in flight during this row's output pass. Without it all blocks of the persistent grid
+  // load, reduce and write in step, and DRAM idles while they all reduce.
+  const bool async = kAsyncPack<T, P> && mask == nullptr;
+  const int64_t stride = gridDim.x / nblocks;
+  bool requested = false;  // this row's packs already requested during the previous row
+  for (int64_t row = blockIdx.x / nblocks; row < rows; row += stride) {
     const int64_t off = row * cols + begin;
     A m;
     if constexpr (kAsyncPack<T, P>) {
-      m = mask ? cache_slice<T, P>(x + off, mask + off, cache, npacks)
-               : cache_slice_async<T, P>(x + off, cache, npacks);
+      if (async) {
+        if (!requested) request_slice_async<T, P>(x + off, cache, npacks);
+        m = max_of_requested<T, P>(cache, npacks);
+      } else {
+        m = cache_slice<T, P>(x + off, mask + off, cache, npacks);
+      }
     } else {
       m = cache_slice<T, P>(x + off, mask ? mask + off : nullptr, cache, npacks);
     }
@@ -329,6 +350,8 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask, T* __rest
     s = block_reduce<SumOp>(s, scratch);
     s = cluster_allreduce<SumOp>(s, &slots[1], &bcast[1]);
     const RowStats<A> st(m, s);
+    const bool prefetch = async && row + stride < rows;
+    const T* next = prefetch ? x + (row + stride) * cols + begin : x;
     for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
       const Pack<T, P> pk = load_pack<T, P>(cache + i * P);
       Pack<T, P> out;
@@ -342,7 +365,15 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask, T* __rest
           if (!mk.v[p]) out.v[p] = from_acc<T>(masked_out<A>(log));
       }
       store_pack<T, P>(y + off + i * P, out);
+      // The entry was read above by this thread alone: it may now be overwritten.
+      if constexpr (kAsyncPack<T, P>) {
+        if (prefetch) __pipeline_memcpy_async(cache + i * P, next + i * P, sizeof(Pack<T, P>));
+      }
     }
+    if constexpr (kAsyncPack<T, P>) {
+      if (prefetch) __pipeline_commit();
+    }
+    requested = prefetch;
   }
   if (nblocks > 1) cluster_sync();  // peers may still read this block's slots
 }
@@ -630,8 +661,16 @@ cudaError_t forward_packed(const T* x, const bool* mask, T* y, int64_t rows, int
     });
   }
   CachedPlan plan;
-  if (remembered_plan(forward_cached<T, P>, cols, P, sizeof(T), dev, &plan)) {
-    return launch_clustered(forward_cached<T, P>, cached_grid(rows, plan), plan.threads, plan.smem,
+  if constexpr (kAsyncPack<T, P> && sizeof(T) <= 4) {  // float64's lean kernel spills (its log)
+    if (mask == nullptr) {
+      if (remembered_plan(forward_cached<T, P, false>, cols, P, sizeof(T), dev, &plan)) {
+        return launch_clustered(forward_cached<T, P, false>, cached_grid(rows, plan), plan.threads, plan.smem,
+                                plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
+      }
+    }
+  }
+  if (remembered_plan(forward_cached<T, P, true>, cols, P, sizeof(T), dev, &plan)) {
+    return launch_clustered(forward_cached<T, P, true>, cached_grid(rows, plan), plan.threads, plan.smem,
                             plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
   }
   forward_uncached<T, P><<<uncached_grid(rows, dev), 1024, 0, stream>>>(x, mask, y, rows, cols, log);
