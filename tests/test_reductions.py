@@ -178,6 +178,83 @@ def test_logsumexp_special_rows():
     np.testing.assert_allclose(got[3:], jax.nn.logsumexp(x[3:], axis=1), rtol=1e-6)
 
 
+def _specials_for_half(rng, shape, axis):
+    """Few distinct values (ties), 5 % NaN/+-inf, and dedicated lines along `axis`: all -inf, -0
+    before +0 among negatives (argmax must pick the -0: equal values, first index), +0 before
+    -0 among positives (argmin), NaN after an inf, two NaNs, +inf twice."""
+    x = np.round(2 * rng.standard_normal(shape)).astype(np.float64)
+    special = np.array([np.nan, np.inf, -np.inf, -np.inf])
+    x = np.where(rng.uniform(size=shape) < 0.05, special[rng.integers(0, 4, shape)], x)
+    x = np.ascontiguousarray(np.moveaxis(x, axis, -1))  # lines along the reduced axis are x[..., :]
+    n = x.shape[-1]
+    flat = x.reshape(-1, n)  # a view of x
+    neg = -1.0 - np.abs(rng.standard_normal(n))
+    dedicated = [{}, {3: -0.0, n - 2: 0.0}, {3: 0.0, n - 2: -0.0}, {n // 2: np.inf, n - 1: np.nan},
+                 {1: np.nan, n - 3: np.nan}, {2: np.inf, n - 1: np.inf}]
+    for line, values in enumerate(dedicated):
+        if line >= flat.shape[0] or flat.shape[0] == 1:  # one line (full reduction): keep it random
+            break
+        row = np.full(n, -np.inf) if line == 0 else (neg if line == 1 else -neg if line == 2 else np.zeros(n))
+        row = row.copy()
+        for j, v in values.items():
+            row[j] = v
+        flat[line] = row
+    return np.moveaxis(x, -1, axis)
+
+
+@pytest.mark.parametrize("shape,axis", [((37, 1024), 1), ((133, 64), 1), ((9, 8192), 1), ((3, 70000), 1),
+                                        ((40000,), 0), ((1000, 64), 0), ((2, 513, 256), 1), ((65537, 8), 0)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_dtypes_packed_paths_nan_inf_ties(shape, axis, dtype, key):
+    """bf16/f16 with 16-byte packs take the packed arg/max/logsumexp loops on sm_90 (rows by
+    warp, block and split; columns): NaN, +-inf, ties and signed zeros against numpy."""
+    x = _specials_for_half(_rng(key), shape, axis)
+    x = jnp.asarray(x.astype(np.float32).astype(dtype))
+    ops = ["max", "min", "logsumexp"] + ARG_OPS
+    got = jax.jit(lambda v: [getattr(jaxops, op)(v, axis) for op in ops])(x)
+    for op, g in zip(ops, got):
+        r = _np_ref(op, _f64(x), axis)
+        if op == "logsumexp":
+            g = _f64(g)
+            np.testing.assert_array_equal(np.isnan(g), np.isnan(r), err_msg=op)
+            np.testing.assert_array_equal(np.isposinf(g), np.isposinf(r), err_msg=op)
+            np.testing.assert_array_equal(np.isneginf(g), np.isneginf(r), err_msg=op)
+            fin = np.isfinite(r)
+            np.testing.assert_allclose(g[fin], r[fin], rtol=2 * _eps(dtype), atol=1e-6, err_msg=op)
+        else:
+            np.testing.assert_array_equal(np.asarray(g) if op in ARG_OPS else _f64(g), r, err_msg=op)
+
+
+@pytest.mark.parametrize("dtype,big", [(jnp.bfloat16, 3.0e38), (jnp.float16, 6.0e4)])
+def test_logsumexp_half_dtypes_near_overflow(dtype, big, key):
+    """Maxima near the dtype's largest finite value (the packed loop's max * log2e overflows
+    float32 for bf16 beyond 2.4e38): rows by warp (1024) and by split block (70000)."""
+    rng = _rng(key)
+    for shape in [(6, 1024), (2, 70000)]:
+        x = rng.uniform(0.5, 1.0, shape) * big
+        x[1] = rng.standard_normal(shape[1])
+        x[0, 17] = -np.inf
+        x = jnp.asarray(x.astype(np.float32)).astype(dtype)
+        _check_value("logsumexp", jaxops.logsumexp(x, axis=1), x, 1, False)
+
+
+@gpu_only
+@pytest.mark.parametrize("shape,axis", [((512, (1 << 19) + 4096), 1), ((512, 8256, 64), 1)])
+def test_packed_arg_segments(shape, axis, key):
+    """More than 256 packs per thread (the packed arg loop's 16-bit pack numbers restart per
+    segment): rows of one block each (512 rows of 2^19 + 4096) and columns without a split."""
+    rng = _rng(key)
+    x = jnp.asarray(np.round(2 * rng.standard_normal(shape, dtype=np.float32))).astype(jnp.bfloat16)
+    idx = (slice(None),) * axis
+    far = shape[axis] - 5
+    x = x.at[idx + (far,)].set(jnp.bfloat16(100.0)).at[idx + (far + 2,)].set(jnp.bfloat16(100.0))
+    x = x.at[idx + (300 * 8 + 1,)].set(jnp.bfloat16(-100.0))
+    for op in ARG_OPS:
+        got = getattr(jaxops, op)(x, axis)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(REF[op](x, axis=axis)), err_msg=op)
+    assert np.all(np.asarray(jaxops.argmax(x, axis)) == far)
+
+
 def test_bfloat16_accuracy_against_float64(key):
     """float32 accumulation: a bf16 sum of 65537 values is as good as rounding the exact sum."""
     x = normal(key, (4, 65537), jnp.bfloat16) + jnp.bfloat16(1.0)

@@ -20,6 +20,7 @@
 
 #include "common/cuda_util.cuh"
 #include "reduce/reduce_cuda.h"
+#include "reduce/reduce_fast16.cuh"
 #include "reduce/reduce_ops.h"
 
 namespace jaxops::reduce::kernels {
@@ -84,22 +85,34 @@ __device__ __forceinline__ void emit(void* y, typename Op::State* ws, int64_t at
   }
 }
 
-// Independent packs in flight per thread: 8 for 2-byte types (128 B), else 4 (64 B; f64: 4 x
-// 16 B). Two-byte types carry twice the elements per byte, so with the same pack count a thread
-// would have half the bytes in flight of float32 for the same per-element work.
-// The arg ops are the exception: their per-element compare/select/index work made 8 packs
-// compute-bound (session 3, H100: bf16 argmax rows fell from 0.68-0.83 to 0.54-0.64 of copy).
-template <class Op, class T>
+// float32 with a 4-byte state (sum, mean, max, min) in 16-byte packs: 8 packs (128 B) in flight
+// per thread under >= 4 blocks of 256 (<= 64 registers; 1024 threads x 128 B = 128 KB per SM
+// instead of 1280 x 64 B). Session 4, H100: 0.5-2 % faster than 4 packs on rows, full and
+// columns (sum 16384x4096 88.4 -> 87.8 µs, sum_cols 262144x256 93.5 -> 91.9).
+template <class Op, class T, int P>
+constexpr bool f32_wide() {
+  return sizeof(T) == 4 && sizeof(typename Op::State) == 4 && P * sizeof(T) == 16;
+}
+
+// Independent packs in flight per thread: 8 for 2-byte types (128 B) and f32_wide (128 B), else
+// 4 (64 B; f64: 4 x 16 B). Two-byte types carry twice the elements per byte, so with the same
+// pack count a thread would have half the bytes in flight of float32 for the same per-element work.
+// The generic arg loop is the exception: its per-element compare/select/index work made 8
+// packs compute-bound (session 3, H100: bf16 argmax rows fell from 0.68-0.83 to 0.54-0.64 of
+// copy); the packed 2-byte arg loop (reduce_fast16.cuh, ~3 instructions an element) takes 8
+// (4 packs under >= 4 blocks lost 1-24 % on rows in session 4).
+template <class Op, class T, int P>
 constexpr int unroll_for() {
-  return sizeof(T) <= 2 && !Op::kIndex ? 8 : 4;
+  return (sizeof(T) <= 2 && (!Op::kIndex || arg16_types<Op, T, P>())) || f32_wide<Op, T, P>() ? 8 : 4;
 }
 
 // Launch bounds. Without them ptxas keeps the 2-byte kernels near 32 registers by issuing
 // each 16-byte load right before its use, i.e. about one load in flight per thread (seen in
 // the SASS of the bf16 column kernel: load, use, load, use). Promising fewer resident blocks
-// lets it hold all unroll_for<Op, T>() packs at once: 2-byte types get <= 80 registers at 256
+// lets it hold all unroll_for<Op, T, P>() packs at once: 2-byte types get <= 80 registers at 256
 // threads (>= 3 blocks, 768 threads x 128 B = 96 KB in flight per SM). 4-byte types with a
-// 4-byte state (sum, max) keep <= 48 (>= 5 blocks, 1280 x 64 B), wider states (logsumexp,
+// 4-byte state (sum, max) keep <= 48 (>= 5 blocks, 1280 x 64 B) for single-element loads and
+// <= 64 (>= 4 blocks, 1024 x 128 B) with 16-byte packs (f32_wide), wider states (logsumexp,
 // arg) <= 64 (>= 4 blocks): near the unhinted counts, without spills. float64 gets <= 128
 // (its software exp in logsumexp spills at 64). Rows of 2-byte types never use 512-thread
 // blocks (max_row_block_threads), which would halve the register budget.
@@ -107,9 +120,10 @@ constexpr int min_blocks_for(int element_bytes, int state_bytes, int threads) {
   const int blocks_of_256 = element_bytes <= 2 ? 3 : element_bytes >= 8 ? 2 : state_bytes == 4 ? 5 : 4;
   return (blocks_of_256 * 256 + threads - 1) / threads;  // rounded up: 512 threads keep >= as many threads
 }
-template <class Op, class T>
+template <class Op, class T, int P>
 constexpr int min_blocks(int threads) {
-  return min_blocks_for(static_cast<int>(sizeof(T)), static_cast<int>(sizeof(typename Op::State)), threads);
+  if constexpr (f32_wide<Op, T, P>()) return (4 * 256 + threads - 1) / threads;
+  else return min_blocks_for(static_cast<int>(sizeof(T)), static_cast<int>(sizeof(typename Op::State)), threads);
 }
 template <class T>
 constexpr int max_row_block_threads() {
@@ -134,18 +148,10 @@ __device__ __forceinline__ typename Op::State fold_slots(typename Op::State (&ac
   return acc[0];
 }
 
-// Adds x[begin, end) (begin, end and the stride multiples of P) element-wise-strided over the
-// threads of a group: thread `t` of `nthreads` takes packs t, t + nthreads, ...
-// Element j of every pack goes to state acc[j % S], so consecutive updates are independent
-// (no P-long dependency chain per pack: matters for arg/logsumexp, whose add is a long
-// compare/select or expf chain); the slots are folded by a fixed tree at the end, so the
-// result is still one fixed function of the input (bit-deterministic). Each slot sees its
-// elements in increasing index order, as the arg ops' tie rule assumes of add().
-// Idx is int where the span is known to fit (warp rows: n <= kWarpRowMax): fewer registers.
-template <class Op, class T, int P, class Idx = int64_t>
-__device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx begin, Idx end, int t,
-                                         int nthreads) {
-  constexpr int U = unroll_for<Op, T>(), S = slots_for<P>();
+// The generic loop of add_span (below).
+template <class Op, class T, int P, int U, int S, class Idx>
+__device__ __forceinline__ void add_span_generic(typename Op::State& s, const T* x, Idx begin, Idx end, int t,
+                                                 int nthreads) {
   typename Op::State acc[S];
 #pragma unroll
   for (int j = 0; j < S; ++j) acc[j] = Op::identity();
@@ -168,13 +174,51 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
   s = Op::merge(s, fold_slots<Op, S>(acc));
 }
 
+// Adds x[begin, end) (begin, end and the stride multiples of P) element-wise-strided over the
+// threads of a group: thread `t` of `nthreads` takes packs t, t + nthreads, ...
+// Element j of every pack goes to state acc[j % S], so consecutive updates are independent
+// (no P-long dependency chain per pack: matters for arg/logsumexp, whose add is a long
+// compare/select or expf chain); the slots are folded by a fixed tree at the end, so the
+// result is still one fixed function of the input (bit-deterministic). Each slot sees its
+// elements in increasing index order, as the arg ops' tie rule assumes of add().
+// 16-byte packs of bf16/f16 take the packed arg/logsumexp loops of reduce_fast16.cuh instead.
+// Idx is int where the span is known to fit (warp rows: n <= kWarpRowMax): fewer registers.
+template <class Op, class T, int P, class Idx = int64_t>
+__device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx begin, Idx end, int t,
+                                         int nthreads) {
+  constexpr int U = unroll_for<Op, T, P>(), S = slots_for<P>();
+  if constexpr (arg16_path<Op, T, P>()) {  // packed bf16/f16 loops (reduce_fast16.cuh)
+    const Idx stride = static_cast<Idx>(nthreads) * P, first = begin + static_cast<Idx>(t) * P;
+    if (first < end) {
+      typename Op::State st[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) st[j] = Op::identity();
+      arg16_stream<Op, T, U, Idx>(st, x + first, (end - first + stride - 1) / stride, stride, first, stride, 1);
+      s = Op::merge(s, fold_slots<Op, 8>(st));
+    }
+  } else if constexpr (lse16_path<Op, T, P>()) {
+    lse16_span<Op, T, U, Idx>(s, x, begin + static_cast<Idx>(t) * P, end, static_cast<Idx>(nthreads) * P);
+  } else if constexpr (ext16_path<Op, T, P>()) {
+    const Idx stride = static_cast<Idx>(nthreads) * P, first = begin + static_cast<Idx>(t) * P;
+    if (first < end) {
+      typename Op::State st[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) st[j] = Op::identity();
+      ext16_stream<Op, T, U, Idx>(st, x + first, (end - first + stride - 1) / stride, stride);
+      s = Op::merge(s, fold_slots<Op, 8>(st));
+    }
+  } else {
+    add_span_generic<Op, T, P, U, S, Idx>(s, x, begin, end, t, nthreads);
+  }
+}
+
 // inner == 1, short rows: `group` lanes per row (a power of two, 8..32), 32 / group rows per
-// warp. Short rows get fewer lanes so each lane still has unroll_for<Op, T>() packs in flight
+// warp. Short rows get fewer lanes so each lane still has unroll_for<Op, T, P>() packs in flight
 // (a 1024-long bf16 row is 128 packs: 16 lanes x 8, two rows per warp); never fewer than 8
 // lanes, so every warp load covers whole 128-byte segments. Group merges use xor shuffles
 // with offsets < group, which stay inside the aligned group of lanes.
 template <class Op, class T, int P>
-__global__ void __launch_bounds__(256, min_blocks<Op, T>(256))
+__global__ void __launch_bounds__(256, min_blocks<Op, T, P>(256))
     row_warp_kernel(const T* __restrict__ x, void* y, int64_t rows, int64_t n, int group) {
   const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
   const int per_warp = 32 / group;
@@ -191,7 +235,7 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T>(256))
 // inner == 1: block b = row * splits + split reduces x[row, split*chunk : (split+1)*chunk].
 // With ws it writes the partial state ws[b]; otherwise (splits == 1) the finished y[row].
 template <class Op, class T, int P>
-__global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T>(max_row_block_threads<T>()))
+__global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, P>(max_row_block_threads<T>()))
     row_block_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t rows, int64_t n,
                      int64_t splits, int64_t chunk) {
   for (int64_t b = blockIdx.x; b < rows * splits; b += gridDim.x) {
@@ -209,7 +253,7 @@ __global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T>(
 // [tile*TX*P, ...) of rows [split*chunk, ...) of slab o. Thread (tx, ty) keeps P column states
 // over rows ty, ty + TY, ...; the TY states per column are merged by a shared-memory tree.
 template <class Op, class T, int P>
-__global__ void __launch_bounds__(256, min_blocks<Op, T>(256))
+__global__ void __launch_bounds__(256, min_blocks<Op, T, P>(256))
     column_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t outer, int64_t n,
                   int64_t inner, int64_t splits, int64_t chunk, int64_t tiles) {
   using S = typename Op::State;
@@ -224,9 +268,20 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T>(256))
     S s[P];
 #pragma unroll
     for (int j = 0; j < P; ++j) s[j] = Op::identity();
-    if (col < inner) {
+    if constexpr (arg16_path<Op, T, P>()) {  // packed bf16/f16 loop (reduce_fast16.cuh)
+      const int64_t r0 = begin + ty;
+      if (col < inner && r0 < end)
+        arg16_stream<Op, T, unroll_for<Op, T, P>(), int64_t>(s, x + (o * n + r0) * inner + col,
+                                                             (end - r0 + TY - 1) / TY, static_cast<int64_t>(TY) * inner,
+                                                             r0, TY, 0);
+    } else if constexpr (ext16_path<Op, T, P>()) {
+      const int64_t r0 = begin + ty;
+      if (col < inner && r0 < end)
+        ext16_stream<Op, T, unroll_for<Op, T, P>(), int64_t>(
+            s, x + (o * n + r0) * inner + col, (end - r0 + TY - 1) / TY, static_cast<int64_t>(TY) * inner);
+    } else if (col < inner) {
       const T* xo = x + o * n * inner + col;
-      constexpr int U = unroll_for<Op, T>();  // rows in flight per thread (16 B each when P > 1)
+      constexpr int U = unroll_for<Op, T, P>();  // rows in flight per thread (16 B each when P > 1)
       int64_t r = begin + ty;
       for (; r + (U - 1) * TY < end; r += U * TY) {
         Pack<T, P> pk[U];
@@ -329,7 +384,7 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
     constexpr int kWarps = 8;
     const int64_t packs = (n + P - 1) / P;
     int group = 32;
-    while (group > kMinRowLanes && static_cast<int64_t>(group) * unroll_for<Op, T>() > packs) group /= 2;
+    while (group > kMinRowLanes && static_cast<int64_t>(group) * unroll_for<Op, T, P>() > packs) group /= 2;
     const int64_t rows_per_block = kWarps * (32 / group);
     row_warp_kernel<Op, T, P><<<grid_for((p.outer + rows_per_block - 1) / rows_per_block), kWarps * 32, 0,
                                 stream>>>(x, y, p.outer, n, group);
@@ -359,6 +414,11 @@ cudaError_t launch_columns(const T* x, void* y, typename Op::State* ws, const Pl
   return merge_partials<Op, T>(ws, y, p, stream);
 }
 
+template <class Op, class T, int P>
+cudaError_t launch_wide(const T* x, typename Op::State* ws, const Plan& p, cudaStream_t stream) {
+  return p.inner == 1 ? launch_rows<Op, T, P>(x, p.y, ws, p, stream) : launch_columns<Op, T, P>(x, p.y, ws, p, stream);
+}
+
 // Picks the kernel for one (Op, T). Packs are 16 bytes when the contiguous extent and the
 // base pointer allow it, otherwise single elements (no intermediate widths: fewer kernels).
 template <class Op, class T>
@@ -371,10 +431,8 @@ cudaError_t launch(const Plan& p, cudaStream_t stream) {
   S* ws = static_cast<S*>(p.ws);
   const int64_t contiguous = p.inner == 1 ? p.reduced : p.inner;
   const bool wide = contiguous % kPack == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  if (p.inner == 1)
-    return wide ? launch_rows<Op, T, kPack>(x, p.y, ws, p, stream) : launch_rows<Op, T, 1>(x, p.y, ws, p, stream);
-  return wide ? launch_columns<Op, T, kPack>(x, p.y, ws, p, stream)
-              : launch_columns<Op, T, 1>(x, p.y, ws, p, stream);
+  if (wide) return launch_wide<Op, T, kPack>(x, ws, p, stream);
+  return p.inner == 1 ? launch_rows<Op, T, 1>(x, p.y, ws, p, stream) : launch_columns<Op, T, 1>(x, p.y, ws, p, stream);
 }
 
 }  // namespace jaxops::reduce::kernels

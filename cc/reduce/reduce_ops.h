@@ -47,6 +47,8 @@ template <class A, bool kMax>
 struct ExtremumOp {
   using State = A;
   static constexpr bool kIndex = false;
+  static constexpr bool kExtremum = true;
+  static constexpr bool kIsMax = kMax;
   static JAXOPS_HD State identity() { return kMax ? -inf_of<A>() : inf_of<A>(); }
   static JAXOPS_HD State merge(const State& a, const State& b) {
     return (is_nan(a) || (kMax ? a > b : a < b)) ? a : b;
@@ -104,6 +106,7 @@ template <class A, bool kMax>
 struct ArgOp {
   using State = ArgState<A>;
   static constexpr bool kIndex = true;
+  static constexpr bool kIsMax = kMax;
   static JAXOPS_HD State identity() {
     return {kMax ? -inf_of<A>() : inf_of<A>(), std::numeric_limits<int32_t>::max()};
   }

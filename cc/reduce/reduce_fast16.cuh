@@ -1,0 +1,274 @@
+// Inner loops of the arg ops, max/min and logsumexp for 16-byte packs of 2-byte types (bf16,
+// f16), which work on the packed element pairs instead of one float per element.
+//
+// Why: a 2-byte stream delivers twice the elements per byte of float32, so at 3 TB/s an H100 SM
+// must retire ~6.4 elements per clock. The generic loops (bf16 -> f32 convert, then the arg ops'
+// NaN/tie/compare/select chain, or logsumexp's select logic around an accurate expf) cost 10-20
+// instructions per element: compute-bound at 0.6-0.8 of copy (session 4, H100).
+//
+// arg16_stream: 8 slots per thread, slot j taking element j of each pack (a column for column
+// reductions, a residue class of the row for row reductions). Per register (2 elements): one
+// packed unordered compare against the running extremum, one packed self-compare (is the
+// running value NaN?), one packed max/min (NaN-propagating) and two logic ops that select the
+// 16-bit pack number where each slot's value was first reached. About 3 instructions per
+// element with loads and addressing (SASS), no branches. sm_90 only (native bf16x2 compares);
+// sm_80 keeps the generic loop. Slots see their elements in increasing index order and only a
+// strictly better element (or the first NaN) moves them, so the first index wins ties.
+// Pack numbers are 16 bits, so the stream is cut into segments of kArgSegment packs, each
+// folded into ArgOp states (exact indices) by ArgOp::merge.
+//
+// ext16_stream (max/min): one packed NaN-propagating max/min per register, 0.5 instructions an
+// element instead of a convert and a NaN-aware compare/select per element.
+//
+// lse16_span: per U packs, the block maximum with packed NaN-propagating max instructions, one
+// rescale of the running sums, then per element one FMA and one ex2.approx (relative error
+// ~2^-22, far below the bf16/f16 output rounding) and one add.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "reduce/reduce_ops.h"
+
+namespace jaxops::reduce::kernels {
+
+template <class T> struct Vec2;
+template <> struct Vec2<__nv_bfloat16> { using type = __nv_bfloat162; };
+template <> struct Vec2<__half> { using type = __half2; };
+
+// Detected by members.
+template <class Op, class = void> struct IsExtremumOp : std::false_type {};
+template <class Op> struct IsExtremumOp<Op, std::void_t<decltype(Op::kExtremum)>> : std::true_type {};
+
+// The packed paths apply to 16-byte packs (8 elements) of 2-byte floating types.
+// arg16_types: the host's view (unroll and block shapes); arg16_path: the device code's, which
+// keeps the generic loop below sm_90: sm_80 has no bf16x2 compare instruction, and its
+// emulation spills the column kernel at 80 registers.
+template <class Op, class T, int P>
+constexpr bool arg16_types() {
+  return std::is_same_v<typename Op::State, ArgState<float>> && sizeof(T) == 2 && P == 8;
+}
+template <class Op, class T, int P>
+constexpr bool arg16_path() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  return false;
+#else
+  return arg16_types<Op, T, P>();
+#endif
+}
+template <class Op, class T, int P>
+constexpr bool lse16_path() {
+  return std::is_same_v<typename Op::State, LogSumExpState<float>> && sizeof(T) == 2 && P == 8;
+}
+template <class Op, class T, int P>
+constexpr bool ext16_path() {
+  return IsExtremumOp<Op>::value && std::is_same_v<typename Op::State, float> && sizeof(T) == 2 && P == 8;
+}
+
+constexpr int kArgSegment = 256;  // packs per segment (< 2^16; small enough for a GPU test to cross)
+
+template <class V>
+__device__ __forceinline__ V as_vec2(uint32_t w) {
+  V v;
+  memcpy(&v, &w, 4);
+  return v;
+}
+template <class V>
+__device__ __forceinline__ uint32_t as_word(V v) {
+  uint32_t w;
+  memcpy(&w, &v, 4);
+  return w;
+}
+
+template <bool kMax, class V>
+__device__ __forceinline__ V extremum2(V a, V b) {
+  if constexpr (kMax) return __hmax2_nan(a, b);
+  else return __hmin2_nan(a, b);
+}
+
+// 0xffff in each half where x beats run: strictly better, or x NaN; never once run is NaN.
+template <bool kMax, class V>
+__device__ __forceinline__ uint32_t beats2(V x, V run) {
+  const uint32_t better = kMax ? __hgtu2_mask(x, run) : __hltu2_mask(x, run);  // unordered: NaN x counts
+  return better & __heq2_mask(run, run);
+}
+
+__device__ __forceinline__ uint4 load16(const void* p) { return *static_cast<const uint4*>(p); }
+
+__device__ __forceinline__ uint32_t word(const uint4& q, int i) {
+  return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
+}
+
+// One pack into the 8 slots: pack number kv (in both halves) where x beats the running value.
+template <bool kMax, class V>
+__device__ __forceinline__ void arg16_update(V (&run)[4], uint32_t (&pk_no)[4], const uint4& pk, uint32_t kv) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const V x = as_vec2<V>(word(pk, w));
+    const uint32_t mask = beats2<kMax>(x, run[w]);
+    pk_no[w] = (pk_no[w] & ~mask) | (kv & mask);
+    run[w] = extremum2<kMax>(run[w], x);
+  }
+}
+
+template <class V>
+__device__ __forceinline__ void arg16_seed(V (&run)[4], uint32_t (&pk_no)[4], const uint4& pk) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) run[w] = as_vec2<V>(word(pk, w)), pk_no[w] = 0u;
+}
+
+// Folds `count` packs p, p + step, ... (16 bytes each, 8 elements) into st[0..8): element j of
+// pack k has index idx0 + k * idx_step + j * slot_step. U packs are loaded before their use;
+// the first pack of a segment seeds the slots (so an element equal to the identity, e.g. -inf
+// for argmax, still gets its index), inside the first block of U loads when there is one.
+template <class Op, class T, int U, class Idx>
+__device__ __forceinline__ void arg16_stream(typename Op::State (&st)[8], const T* p, Idx count, Idx step,
+                                             Idx idx0, Idx idx_step, int slot_step) {
+  using V = typename Vec2<T>::type;
+  constexpr bool kMax = Op::kIsMax;
+  for (Idx seg = 0; seg < count; seg += kArgSegment) {
+    const int m = count - seg < kArgSegment ? static_cast<int>(count - seg) : kArgSegment;
+    const T* q = p + seg * step;
+    V run[4];
+    uint32_t pk_no[4];
+    int k;
+    if (m >= U) {
+      uint4 pk[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) pk[u] = load16(q + u * step);
+      arg16_seed(run, pk_no, pk[0]);
+#pragma unroll
+      for (int u = 1; u < U; ++u) arg16_update<kMax>(run, pk_no, pk[u], static_cast<uint32_t>(u) * 0x00010001u);
+      k = U;
+    } else {
+      arg16_seed(run, pk_no, load16(q));
+      k = 1;
+    }
+    q += k * step;
+    for (; k + U - 1 < m; k += U, q += U * step) {
+      uint4 pk[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) pk[u] = load16(q + u * step);
+#pragma unroll
+      for (int u = 0; u < U; ++u) arg16_update<kMax>(run, pk_no, pk[u], static_cast<uint32_t>(k + u) * 0x00010001u);
+    }
+    for (; k < m; ++k, q += step) arg16_update<kMax>(run, pk_no, load16(q), static_cast<uint32_t>(k) * 0x00010001u);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * w + h;
+        const float v = h == 0 ? __low2float(run[w]) : __high2float(run[w]);
+        const Idx kk = static_cast<Idx>((pk_no[w] >> (16 * h)) & 0xffffu) + seg;
+        const typename Op::State c{v, static_cast<int32_t>(idx0 + kk * idx_step + j * slot_step)};
+        st[j] = Op::merge(st[j], c);
+      }
+    }
+  }
+}
+
+// max/min of `count` packs p, p + step, ... into st[0..8) (slot j: element j of each pack): one
+// packed NaN-propagating max/min per 2 elements. No index, so no seed: the identity starts it.
+template <class Op, class T, int U, class Idx>
+__device__ __forceinline__ void ext16_stream(typename Op::State (&st)[8], const T* p, Idx count, Idx step) {
+  using V = typename Vec2<T>::type;
+  constexpr bool kMax = Op::kIsMax;
+  const uint32_t id = as_word(V{T(Op::identity()), T(Op::identity())});
+  V run[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) run[w] = as_vec2<V>(id);
+  Idx k = 0;
+  for (; k + U - 1 < count; k += U, p += U * step) {
+    uint4 pk[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) pk[u] = load16(p + u * step);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int w = 0; w < 4; ++w) run[w] = extremum2<kMax>(run[w], as_vec2<V>(word(pk[u], w)));
+  }
+  for (; k < count; ++k, p += step) {
+    const uint4 pk = load16(p);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) run[w] = extremum2<kMax>(run[w], as_vec2<V>(word(pk, w)));
+  }
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    st[2 * w] = Op::merge(st[2 * w], __low2float(run[w]));
+    st[2 * w + 1] = Op::merge(st[2 * w + 1], __high2float(run[w]));
+  }
+}
+
+__device__ __forceinline__ float ex2_approx(float v) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+  return r;
+}
+
+// NaN-propagating float max (ExtremumOp's rule).
+__device__ __forceinline__ float max_nan(float a, float b) { return (a != a || a > b) ? a : b; }
+
+// One block of U packs into the running (m, acc[]): the block max first, then one rescale,
+// then exp2(x * log2e - m * log2e) per element.
+template <class T, int U>
+__device__ __forceinline__ void lse16_block(float& m, float (&acc)[4], const uint4 (&pk)[U]) {
+  using V = typename Vec2<T>::type;
+  constexpr float kLog2e = 1.4426950408889634f;
+  V w = as_vec2<V>(pk[0].x);
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int i = u == 0 ? 1 : 0; i < 4; ++i) w = __hmax2_nan(w, as_vec2<V>(word(pk[u], i)));
+  const float bm = max_nan(__low2float(w), __high2float(w));
+  const float mn = max_nan(m, bm);
+  // m == mn covers -inf == -inf (whose difference is NaN); -inf -> finite scales the zero sums by 0.
+  const float scale = m == mn ? 1.0f : ex2_approx((m - mn) * kLog2e);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] *= scale;
+  m = mn;
+  // All -inf so far: offset 0 makes every term exp2(-inf) = 0. A NaN or +inf max makes the terms
+  // garbage, which LogSumExpOp::merge/finish ignore (the max is the answer then).
+  const float off = mn == -INFINITY ? 0.0f : mn * kLog2e;
+  if (fabsf(off) <= 3.0e38f) {  // x * log2e - off in one FMA
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const V x = as_vec2<V>(word(pk[u], i));
+        acc[(2 * i) % 4] += ex2_approx(fmaf(__low2float(x), kLog2e, -off));
+        acc[(2 * i + 1) % 4] += ex2_approx(fmaf(__high2float(x), kLog2e, -off));
+      }
+  } else {  // |max| > 2e38 (bf16 only): mn * log2e overflows, so subtract first (rare, block-uniform)
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const V x = as_vec2<V>(word(pk[u], i));
+        acc[(2 * i) % 4] += ex2_approx((__low2float(x) - mn) * kLog2e);
+        acc[(2 * i + 1) % 4] += ex2_approx((__high2float(x) - mn) * kLog2e);
+      }
+  }
+}
+
+// logsumexp of the packs x + first, x + first + stride, ... below end, into s.
+template <class Op, class T, int U, class Idx>
+__device__ __forceinline__ void lse16_span(typename Op::State& s, const T* x, Idx first, Idx end, Idx stride) {
+  float m = -INFINITY, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  Idx c = first;
+  for (; c + (U - 1) * stride < end; c += U * stride) {
+    uint4 pk[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) pk[u] = load16(x + c + u * stride);
+    lse16_block<T, U>(m, acc, pk);
+  }
+  for (; c < end; c += stride) {
+    const uint4 pk[1] = {load16(x + c)};
+    lse16_block<T, 1>(m, acc, pk);
+  }
+  s = Op::merge(s, {m, (acc[0] + acc[1]) + (acc[2] + acc[3])});
+}
+
+}  // namespace jaxops::reduce::kernels
