@@ -73,6 +73,23 @@ __device__ __forceinline__ void lane_coefs(const Coef<A>* __restrict__ coef, int
   }
 }
 
+// lane_coefs for the forward pass, computed from the per-channel inputs in the kernel itself
+// (session 4): the separate forward_coef_kernel was a dependent launch of ~2 us on the critical
+// path for 4 x C floats. Same formula (bn_math.h), so the same coefficients bit for bit.
+template <class A, int P>
+__device__ __forceinline__ void lane_forward_coefs(const A* __restrict__ scale, const A* __restrict__ bias,
+                                                   const A* __restrict__ mean, const A* __restrict__ var, A eps,
+                                                   int64_t C, int64_t chunks, Coef<A> (&q)[P]) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (first >= chunks) return;
+  int64_t c = (first * 32 * P + static_cast<int64_t>(threadIdx.x % 32) * P) % C;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    q[k] = forward_coef<A>(scale[c], bias[c], mean[c], var[c], eps);
+    if (++c == C) c = 0;
+  }
+}
+
 // Chunks a warp loads before it processes them in apply_kernel: with one 16-byte load per lane
 // per chunk (no residual) and 4 blocks per SM (64 registers for bf16), one chunk leaves only
 // 16 KB in flight per SM; two give 32 KB, enough for DRAM's latency.
@@ -82,12 +99,15 @@ template <class T, int P, bool kFixed>
 __global__ void __launch_bounds__(kThreads, kFixed ? 4 : 1)  // kFixed bf16: 64 registers, 4 blocks per SM
 apply_kernel(const T* __restrict__ x, const T* __restrict__ res, const Coef<acc_t<T>>* __restrict__ coef,
              T* __restrict__ y, uint32_t* __restrict__ mask, int64_t L, int64_t C, int64_t chunks_per_row,
-             int64_t chunks, int64_t wpg, bool vec, bool relu) {
+             int64_t chunks, int64_t wpg, bool vec, bool relu, const acc_t<T>* __restrict__ scale,
+             const acc_t<T>* __restrict__ bias, const acc_t<T>* __restrict__ mean,
+             const acc_t<T>* __restrict__ var, acc_t<T> eps) {
   using A = acc_t<T>;
   const int lane = threadIdx.x % 32;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
   Coef<A> q[kFixed ? P : 1];
-  if constexpr (kFixed) lane_coefs<A, P>(coef, C, chunks, q);
+  // kFixed: coefficients from the per-channel inputs (no coef kernel); else records from `coef`.
+  if constexpr (kFixed) lane_forward_coefs<A, P>(scale, bias, mean, var, eps, C, chunks, q);
   // The loop bounds are per warp, so the warp collective below always sees all 32 lanes. The
   // warp's chunks are still first + i * stride (kFixed: the same channels for every i).
   for (int64_t chunk0 = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; chunk0 < chunks;
@@ -194,11 +214,14 @@ int64_t gcd64(int64_t a, int64_t b) {
 // channels): the warp stride S = blocks * kWarps chunks must make S*32*P a multiple of C, i.e.
 // blocks a multiple of q = m / gcd(m, kWarps) with m = C / gcd(C, 32*P). With at most one chunk
 // per warp any grid works. Always possible: q <= C, far below the 2^31 grid limit.
-cudaError_t fixed_grid(int64_t chunks, int64_t C, int P, int* blocks) {
+// `target` is the grid wanted when the data is large: session 3 used 32 blocks per SM (8 waves
+// of 4 resident blocks, each wave boundary a stall of the DRAM stream); apply now asks for one
+// resident wave (a persistent grid-stride loop); dx_kernel still uses the default.
+cudaError_t fixed_grid(int64_t chunks, int64_t C, int P, int* blocks, int64_t target = 0) {
   cuda::DeviceInfo info;
   if (cudaError_t err = cuda::device_info(&info)) return err;
   const int64_t needed = (chunks + kWarps - 1) / kWarps;
-  const int64_t target = int64_t(info.sm_count) * 32;
+  if (target <= 0) target = int64_t(info.sm_count) * 32;
   const int64_t m = C / gcd64(C, 32 * int64_t(P));
   const int64_t q = m / gcd64(m, kWarps);
   int64_t b;
@@ -211,6 +234,22 @@ cudaError_t fixed_grid(int64_t chunks, int64_t C, int P, int* blocks) {
 
 int coef_blocks(int64_t n) { return static_cast<int>((n + 255) / 256); }
 
+// Blocks of `Kernel` (kThreads threads) that fit on the whole chip at once (queried once).
+template <auto Kernel>
+int64_t resident_blocks() {
+  static const int64_t total = [] {
+    cuda::DeviceInfo info;
+    int n = 0;
+    if (cuda::device_info(&info) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kThreads, 0) != cudaSuccess || n < 1) {
+      (void)cudaGetLastError();  // do not leave the query's error for the launch check
+      return int64_t(0);         // fixed_grid's default
+    }
+    return int64_t(n) * info.sm_count;
+  }();
+  return total;
+}
+
 }  // namespace
 
 cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const void* scale,
@@ -220,19 +259,24 @@ cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const 
     using A = acc_t<T>;
     constexpr int P = 16 / sizeof(T);
     const int64_t n = v.groups * v.channels, L = v.elements_per_group();
-    forward_coef_kernel<A><<<coef_blocks(n), 256, 0, stream>>>(
-        static_cast<const A*>(scale), static_cast<const A*>(bias), static_cast<const A*>(mean),
-        static_cast<const A*>(var), static_cast<Coef<A>*>(coef), n, A(eps));
+    const bool fixed = v.groups == 1;
+    if (!fixed)  // the register path computes its coefficients itself
+      forward_coef_kernel<A><<<coef_blocks(n), 256, 0, stream>>>(
+          static_cast<const A*>(scale), static_cast<const A*>(bias), static_cast<const A*>(mean),
+          static_cast<const A*>(var), static_cast<Coef<A>*>(coef), n, A(eps));
     const int64_t cpr = (L + 32 * P - 1) / (32 * P);
     const bool vec = L % P == 0 && aligned16(x) && aligned16(y) && (!residual || aligned16(residual));
     int blocks = 0;
-    const bool fixed = v.groups == 1;
-    if (cudaError_t err = fixed ? fixed_grid(cpr, v.channels, P, &blocks) : chunk_grid(v.groups * cpr, &blocks))
+    const int64_t target = resident_blocks<apply_kernel<T, P, true>>();
+    if (cudaError_t err = fixed ? fixed_grid(cpr, v.channels, P, &blocks, target)
+                                : chunk_grid(v.groups * cpr, &blocks))
       return err;
     auto kernel = fixed ? apply_kernel<T, P, true> : apply_kernel<T, P, false>;
     kernel<<<blocks, kThreads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const Coef<A>*>(coef),
-        static_cast<T*>(y), mask, L, v.channels, cpr, v.groups * cpr, v.mask_words, vec, relu);
+        static_cast<T*>(y), mask, L, v.channels, cpr, v.groups * cpr, v.mask_words, vec, relu,
+        static_cast<const A*>(scale), static_cast<const A*>(bias), static_cast<const A*>(mean),
+        static_cast<const A*>(var), A(eps));
   });
   return cudaGetLastError();
 }

@@ -24,7 +24,40 @@ using cuda::acc_t;
 using cuda::to_acc;
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;  // rows loaded before they are folded in: 4 x 16 bytes in flight per thread
+constexpr int kUnroll = 4;  // backward: rows loaded before they are folded in (2 x 4 x 16 bytes in flight)
+
+// Channels per thread in pass 1: a 16-byte pack, except 8 bytes (4 channels) for 16-bit types.
+// Eight bf16 channels per thread keep 8 x (sum, mean, M2, pivot) plus the loaded packs live: 98
+// registers in stats_partial and 123 in grad_partial (spills on sm_80), 2 blocks per SM and 37%
+// of DRAM in the session-2 profile. With 4 channels the state halves, occupancy doubles; loads
+// are still full-width (256 bytes per warp).
+template <class T>
+constexpr int reduce_pack() {
+  return sizeof(T) == 2 ? 4 : 16 / static_cast<int>(sizeof(T));
+}
+
+// Forward pass 1: rows loaded before they are folded in. float/double: 4 x 16 B in flight per
+// thread. 16-bit types: 6 x 8 B (the session-3 kernel had 4 x 8 B, half of float's bytes);
+// 8 x 8 B made ptxas spill on sm_90 (bf16 or f16, depending on the loop form); 6: 71 registers
+// (bf16, sm_90), 3 blocks per SM, 36 KB in flight per SM, no spills.
+template <class T>
+constexpr int stats_unroll() {
+  return sizeof(T) == 2 ? 6 : 64 / (reduce_pack<T>() * static_cast<int>(sizeof(T)));
+}
+
+// Blocks of `Kernel` (kThreads threads) that fit on the whole chip at once (queried once).
+template <auto Kernel>
+int64_t resident_blocks(int sm_count) {
+  static const int per_sm = [] {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kThreads, 0) != cudaSuccess || n < 1) {
+      (void)cudaGetLastError();  // do not leave the query's error for the launch check
+      n = 1;
+    }
+    return n;
+  }();
+  return int64_t(per_sm) * sm_count;
+}
 
 // How the (G, R, C) array is cut into blocks.
 struct Tile {
@@ -36,15 +69,20 @@ struct Tile {
   int64_t rpb = 1; // rows per row block
 };
 
-Tile plan(const View& v, int vec_pack, bool vec_ok, int64_t cap, int sm_count) {
+// Row blocks: exactly one resident wave of blocks over the chip (`resident`): every
+// block starts at once, streams its rows and finishes at once, so the DRAM stream stalls only
+// at the start and the end. Session 3 asked for ~8 blocks per SM (about two waves of 4 resident
+// blocks, each with a shared-memory tree, a partial store and a block launch in between: 2.72
+// TB/s where XLA's reduce reaches 3.0).
+Tile plan(const View& v, int vec_pack, bool vec_ok, int64_t cap, int64_t resident) {
   Tile t;
   t.P = (vec_ok && v.channels % vec_pack == 0) ? vec_pack : 1;
   const int64_t lanes = (v.channels + t.P - 1) / t.P;
   t.tx = static_cast<int>(std::min<int64_t>(lanes, 32));
   t.ty = kThreads / t.tx;
   t.ncb = (lanes + t.tx - 1) / t.tx;
-  // Enough blocks to fill the chip about eight times over, each with at least one row per thread row.
-  const int64_t want = (int64_t(sm_count) * 8 + v.groups * t.ncb - 1) / (v.groups * t.ncb);
+  // One resident wave of blocks, each with at least one row per thread row.
+  const int64_t want = std::max<int64_t>(1, resident / (v.groups * t.ncb));
   const int64_t most = std::max<int64_t>(1, std::min<int64_t>(cap, (v.rows + t.ty - 1) / t.ty));
   t.nrb = std::max<int64_t>(1, std::min(want, most));
   t.rpb = (v.rows + t.nrb - 1) / t.nrb;
@@ -103,7 +141,7 @@ __device__ __forceinline__ A pivot_of(A first) {
   return isfinite(first) ? first : A(0);
 }
 
-template <class T, int P>
+template <class T, int P, int U>
 __global__ void __launch_bounds__(kThreads)
 stats_partial_kernel(const T* __restrict__ x, acc_t<T>* __restrict__ ws, int64_t R, int64_t C, Tile t,
                      int64_t cap) {
@@ -121,13 +159,13 @@ stats_partial_kernel(const T* __restrict__ x, acc_t<T>* __restrict__ ws, int64_t
     const cuda::Pack<T, P> first = cuda::load_pack<T, P>(xg);  // row 0 of the group: the pivots
 #pragma unroll
     for (int k = 0; k < P; ++k) piv[k] = pivot_of(to_acc(first.v[k]));
-    for (int64_t r = b.r0 + b.ty; r < b.r1; r += int64_t(t.ty) * kUnroll) {
-      cuda::Pack<T, P> v[kUnroll];
+    for (int64_t r = b.r0 + b.ty; r < b.r1; r += int64_t(t.ty) * U) {
+      cuda::Pack<T, P> v[U];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (r + u * t.ty < b.r1) v[u] = cuda::load_pack<T, P>(xg + (r + u * t.ty) * C);
+      for (int u = 0; u < U; ++u)  // rows past the end reload the last row (not folded): no predicated loads
+        v[u] = cuda::load_pack<T, P>(xg + min(r + u * t.ty, b.r1 - 1) * C);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < U; ++u) {
         if (r + u * t.ty >= b.r1) break;
         n += A(1);
         const A rn = A(1) / n;  // one division per row, shared by the P channels
@@ -363,16 +401,6 @@ grad_merge_kernel(const A* __restrict__ ws, const A* __restrict__ var, A* __rest
   }
 }
 
-// Channels per thread in pass 1: a 16-byte pack, except 8 bytes (4 channels) for 16-bit types.
-// Eight bf16 channels per thread keep 8 x (sum, mean, M2, pivot) plus kUnroll packs live: 98
-// registers in stats_partial and 123 in grad_partial (spills on sm_80), 2 blocks per SM and 37%
-// of DRAM in the session-2 profile. With 4 channels the state halves, occupancy doubles and the
-// bytes in flight per SM stay the same; loads are still full-width (256 bytes per warp).
-template <class T>
-constexpr int reduce_pack() {
-  return sizeof(T) == 2 ? 4 : 16 / static_cast<int>(sizeof(T));
-}
-
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
@@ -384,14 +412,17 @@ cudaError_t stats_cuda(cudaStream_t stream, const View& v, const void* x, void* 
   JAXOPS_DISPATCH_FLOAT(v.dtype, T, {
     using A = acc_t<T>;
     constexpr int kP = reduce_pack<T>();
-    const Tile t = plan(v, kP, aligned16(x), cap, info.sm_count);
+    constexpr int kU = stats_unroll<T>();
+    constexpr auto packed = stats_partial_kernel<T, kP, kU>;
+    constexpr auto scalar = stats_partial_kernel<T, 1, kU>;
+    const bool vec_ok = aligned16(x);
+    const bool use_packed = vec_ok && v.channels % kP == 0;
+    const int64_t resident =
+        use_packed ? resident_blocks<packed>(info.sm_count) : resident_blocks<scalar>(info.sm_count);
+    const Tile t = plan(v, kP, vec_ok, cap, resident);
     const int64_t blocks = v.groups * t.ncb * t.nrb;
-    if (t.P == kP)
-      stats_partial_kernel<T, kP><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<A*>(ws),
+    (t.P == kP ? packed : scalar)<<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<A*>(ws),
                                                                    v.rows, v.channels, t, cap);
-    else
-      stats_partial_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<A*>(ws),
-                                                                  v.rows, v.channels, t, cap);
     stats_merge_kernel<T><<<v.groups * v.channels, kMergeThreads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const A*>(ws), static_cast<A*>(mean), static_cast<A*>(var),
         v.rows, v.channels, t.nrb, t.rpb, cap);
@@ -407,7 +438,12 @@ cudaError_t backward_reduce_cuda(cudaStream_t stream, const View& v, const void*
   JAXOPS_DISPATCH_FLOAT(v.dtype, T, {
     using A = acc_t<T>;
     constexpr int kP = reduce_pack<T>();
-    Tile t = plan(v, kP, aligned16(x) && aligned16(dy), cap, info.sm_count);
+    constexpr auto packed = grad_partial_kernel<T, kP>;
+    constexpr auto scalar = grad_partial_kernel<T, 1>;
+    const bool vec_ok = aligned16(x) && aligned16(dy);
+    const int64_t resident = vec_ok && v.channels % kP == 0 ? resident_blocks<packed>(info.sm_count)
+                                                             : resident_blocks<scalar>(info.sm_count);
+    Tile t = plan(v, kP, vec_ok, cap, resident);
     if (v.rows == 0) t.nrb = 0;  // nothing to reduce: the merge writes zeros
     const int64_t blocks = v.groups * t.ncb * t.nrb;
     if (blocks > 0) {
