@@ -207,7 +207,8 @@ def test_check_grads_float32(key):
 
 
 # 1024 columns: the backward kernel with per-warp shared-memory accumulators.
-@pytest.mark.parametrize("cols", [256, 1024] if ON_GPU else [256])
+# 4096 columns: backward_rows (register rows, per-thread column sums written per slot).
+@pytest.mark.parametrize("cols", [256, 1024, 4096] if ON_GPU else [256])
 def test_parameter_grads_are_deterministic(key, cols):
     k1, k2 = jax.random.split(key)
     x = normal(k1, (4096, cols), jnp.float32)
@@ -323,6 +324,50 @@ def test_many_rows_gpu(key, dtype):
     ln, _ = _loss_fns(jaxops.layer_norm, jaxops.rms_norm, x)
     ln_r, _ = _loss_fns(ln_ref, rms_ref, x)
     for g, w in zip(jax.grad(ln, (0, 1, 2))(x, scale, bias), jax.grad(ln_r, (0, 1, 2))(x, scale, bias)):
+        close(g, w, dtype, 2.0)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rows,cols", [(2000, 4096), (700, 8192), (1500, 2056), (600, 6152)])
+def test_register_row_backward_gpu(key, dtype, rows, cols):
+    # backward_rows (2048-8192 columns, x/dy in registers): several rows per slot (264 slots: 2000
+    # rows -> 8 a slot, the last slots empty), so the next-row loads at the end of the row loop and
+    # the slot-end accumulator writes run; 2056/6152 columns leave the threads' last pack partly
+    # past the row (float 514/1538 packs over 4 a thread, 16-bit 257/769 packs over 2).
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (rows, cols), dtype) + jnp.asarray(0.5, dtype)
+    scale, bias = params(k2, cols, dtype)
+    ln, rms = _loss_fns(jaxops.layer_norm, jaxops.rms_norm, x)
+    ln_r, rms_r = _loss_fns(ln_ref, rms_ref, x)
+    for g, w in zip(jax.jit(jax.grad(ln, (0, 1, 2)))(x, scale, bias), jax.grad(ln_r, (0, 1, 2))(x, scale, bias)):
+        close(g, w, dtype, 2.0)
+    for g, w in zip(jax.jit(jax.grad(rms, (0, 1)))(x, scale), jax.grad(rms_r, (0, 1))(x, scale)):
+        close(g, w, dtype, 2.0)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("cols", [64, 128])
+def test_narrow_team_forward_gpu(key, dtype, cols):
+    # forward_team with one 16-byte pack per lane: 16-bit types take 2 rows a team per iteration
+    # (block of 128 threads: rows base + r * teams + team), float32 1. 40013 rows leave a partial
+    # last iteration: 16-bit 128 columns (8 teams of 16 lanes, 16 rows an iteration, 13 left):
+    # teams 0-4 get two rows, teams 5-7 a single leftover row; 16-bit 64 columns (16 teams, 32 rows,
+    # 13 left): teams 0-12 one row each; float32 (4 or 8 teams, 1 row): 1 or 5 rows left. At 128
+    # columns the grid (<= 132 SMs x blocks per SM) is smaller than the iterations: the grid-stride
+    # loop runs. The gradients use the forward's saved mean/rstd of every row.
+    rows = 40013
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (rows, cols), dtype, scale=2.0) + jnp.asarray(1.5, dtype)
+    scale, bias = params(k2, cols, dtype)
+    close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
+    close(jaxops.rms_norm(x, scale), rms_ref(x, scale), dtype)
+    ln, rms = _loss_fns(jaxops.layer_norm, jaxops.rms_norm, x)
+    ln_r, rms_r = _loss_fns(ln_ref, rms_ref, x)
+    for g, w in zip(jax.jit(jax.grad(ln, (0, 1, 2)))(x, scale, bias), jax.grad(ln_r, (0, 1, 2))(x, scale, bias)):
+        close(g, w, dtype, 2.0)
+    for g, w in zip(jax.jit(jax.grad(rms, (0, 1)))(x, scale), jax.grad(rms_r, (0, 1))(x, scale)):
         close(g, w, dtype, 2.0)
 
 

@@ -108,6 +108,18 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
   if (npacks <= 32) return launch_narrow<T, kPack>(a, info, stream, team_width(npacks));
   if (npacks <= kMaxTeamPacks) return launch_wide<T, kPack>(a, info, stream, team_packs(npacks));
 
+  if constexpr (kPack > 1 && sizeof(T) < 8) {
+    // Register rows (backward_rows): 16-bit types 2 packs a thread (their 8-column packs take 16
+    // accumulator registers each), float 4; at most 512 threads: float and 16-bit up to 8192 columns.
+    constexpr int kRowPacks = sizeof(T) == 2 ? 2 : 4;
+    if (npacks <= int64_t{512} * kRowPacks) {
+      const int threads = static_cast<int>(std::max<int64_t>((npacks + kRowPacks - 1) / kRowPacks + 31, 64) / 32 * 32);
+      // Float: accumulators in shared memory (registers: see backward_rows).
+      constexpr bool kSmemAcc = sizeof(T) == 4;
+      const size_t smem = kSmemAcc ? sizeof(A) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols) : 0;
+      return launch_slotted<T>(backward_rows<T, kPack, kRowPacks, kSmemAcc>, a, info, threads, smem, stream);
+    }
+  }
   const int threads = block_threads(npacks, 2);
   const size_t cached = (sizeof(A) * num_acc(a.shape.rms) + 2 * sizeof(T)) * static_cast<size_t>(a.shape.cols);
   if (cached <= dynamic_smem_limit(info, 64 * sizeof(A)))

@@ -87,6 +87,41 @@ __device__ __forceinline__ acc_t<T> row_shift(const Shape& s, const T* x, int64_
   return s.rms ? acc_t<T>(0) : to_acc(x[row * s.cols]);
 }
 
+// forward_block's split of write_y: the scale (and bias) packs of a column position are loaded
+// first, y is computed and stored later (bias is left unset for rms_norm). (write_y itself is
+// kept as it was for the team kernels: routing them through these helpers made ptxas spill.)
+template <class T, int kPack>
+struct ParamPacks {
+  Pack<T, kPack> s, b;
+};
+
+template <class T, int kPack>
+__device__ __forceinline__ ParamPacks<T, kPack> load_params(const ForwardArgs& a, int64_t row, int64_t col) {
+  const Shape& s = a.shape;
+  const int64_t prow = (row / s.rows_per_group) * s.cols + col;
+  ParamPacks<T, kPack> pp;
+  pp.s = load_pack<T, kPack>(static_cast<const T*>(a.scale) + prow);
+  if (a.bias) pp.b = load_pack<T, kPack>(static_cast<const T*>(a.bias) + prow);
+  return pp;
+}
+
+template <class T, int kPack>
+__device__ __forceinline__ void store_y(const ForwardArgs& a, const Pack<T, kPack>& xp, const ParamPacks<T, kPack>& pp,
+                                        int64_t row, int64_t col, acc_t<T> shift, acc_t<T> mean_rel, acc_t<T> rstd) {
+  using A = acc_t<T>;
+  const Shape& s = a.shape;
+  const Pack<T, kPack>& sp = pp.s;
+  const Pack<T, kPack>& bp = pp.b;
+  Pack<T, kPack> yp;
+#pragma unroll
+  for (int e = 0; e < kPack; ++e) {
+    A v = ((to_acc(xp.v[e]) - shift) - mean_rel) * rstd * to_acc(sp.v[e]);
+    if (a.bias) v += to_acc(bp.v[e]);
+    yp.v[e] = from_acc<T>(v);
+  }
+  store_pack(static_cast<T*>(a.y) + row * s.cols + col, yp);
+}
+
 template <class T, int kPack>
 __device__ __forceinline__ void write_y(const ForwardArgs& a, const Pack<T, kPack>& xp, int64_t row,
                                         int64_t col, acc_t<T> shift, acc_t<T> mean_rel, acc_t<T> rstd) {
@@ -127,61 +162,89 @@ constexpr int forward_min_blocks(int bytes) {
 }
 
 // A team of kWidth lanes per row, row in registers: kPacks packs of kPack elements per lane.
-template <class T, int kPack, int kPacks, int kWidth>
-__global__ void __launch_bounds__(128, forward_min_blocks<T>(kPack* kPacks * sizeof(T))) forward_team(ForwardArgs a) {
+// kRows rows per team per iteration (session 4, narrow rows of 16-bit types; 1 otherwise): with
+// one 16-byte pack per lane a 128-thread block had 2 KB in flight and an SM ~24 KB (bfloat16 128
+// columns ran at 0.70 of copy); two rows, all loads issued before the first reduction, double that.
+template <class T, int kPack, int kPacks, int kWidth, int kRows>
+__global__ void __launch_bounds__(128, forward_min_blocks<T>(kPack* kPacks * kRows * sizeof(T)))
+    forward_team(ForwardArgs a) {
   using A = acc_t<T>;
   const Shape s = a.shape;
   const int teams = blockDim.x / kWidth, team = threadIdx.x / kWidth, lane = threadIdx.x % kWidth;
   const int64_t npacks = s.cols / kPack;
   const T* x = static_cast<const T*>(a.x);
   // Block-uniform trip count: shuffles need every lane of a warp, even past the last row.
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * teams; base < s.rows;
-       base += static_cast<int64_t>(gridDim.x) * teams) {
-    const int64_t row = base + team;
-    const bool valid_row = row < s.rows;
-    Pack<T, kPack> xp[kPacks];
-    const A shift = row_shift<T>(s, x, valid_row ? row : 0);
-    A sum = 0;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * teams * kRows; base < s.rows;
+       base += static_cast<int64_t>(gridDim.x) * teams * kRows) {
+    Pack<T, kPack> xp[kRows][kPacks];
+    A shift[kRows], mean_rel[kRows], rstd[kRows];
 #pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int64_t p = lane + k * kWidth;
-      if (valid_row && p < npacks) {
-        xp[k] = load_pack<T, kPack>(x + row * s.cols + p * kPack);
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t row = base + r * teams + team;
+      const bool valid_row = row < s.rows;
+      shift[r] = row_shift<T>(s, x, valid_row ? row : 0);
 #pragma unroll
-        for (int e = 0; e < kPack; ++e) sum += to_acc(xp[k].v[e]) - shift;
+      for (int k = 0; k < kPacks; ++k) {
+        const int64_t p = lane + k * kWidth;
+        if (valid_row && p < npacks) xp[r][k] = load_pack<T, kPack>(x + row * s.cols + p * kPack);
       }
     }
-    const A mean_rel = s.rms ? A(0) : team_sum<kWidth>(sum) / A(s.cols);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const bool valid_row = base + r * teams + team < s.rows;
+      A sum = 0;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int64_t p = lane + k * kWidth;
+        if (valid_row && p < npacks) {
+#pragma unroll
+          for (int e = 0; e < kPack; ++e) sum += to_acc(xp[r][k].v[e]) - shift[r];
+        }
+      }
+      mean_rel[r] = s.rms ? A(0) : team_sum<kWidth>(sum) / A(s.cols);
+    }
     // 16-bit types: convert x again in each pass instead of keeping the converted floats (twice
     // the registers) live across the reductions; needed to fit 40-48 registers without spills.
     if constexpr (sizeof(T) == 2) {
 #pragma unroll
-      for (int k = 0; k < kPacks; ++k) opaque_regs(xp[k]);
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k) opaque_regs(xp[r][k]);
     }
-    A sq = 0;
 #pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int64_t p = lane + k * kWidth;
-      if (valid_row && p < npacks) {
+    for (int r = 0; r < kRows; ++r) {
+      const bool valid_row = base + r * teams + team < s.rows;
+      A sq = 0;
 #pragma unroll
-        for (int e = 0; e < kPack; ++e) {
-          const A d = (to_acc(xp[k].v[e]) - shift) - mean_rel;
-          sq += d * d;
+      for (int k = 0; k < kPacks; ++k) {
+        const int64_t p = lane + k * kWidth;
+        if (valid_row && p < npacks) {
+#pragma unroll
+          for (int e = 0; e < kPack; ++e) {
+            const A d = (to_acc(xp[r][k].v[e]) - shift[r]) - mean_rel[r];
+            sq += d * d;
+          }
         }
       }
+      rstd[r] = inv_sqrt(team_sum<kWidth>(sq) / A(s.cols) + A(s.epsilon));
     }
-    const A rstd = inv_sqrt(team_sum<kWidth>(sq) / A(s.cols) + A(s.epsilon));
-    if (!valid_row) continue;
     if constexpr (sizeof(T) == 2) {
 #pragma unroll
-      for (int k = 0; k < kPacks; ++k) opaque_regs(xp[k]);
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k) opaque_regs(xp[r][k]);
     }
 #pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int64_t p = lane + k * kWidth;
-      if (p < npacks) write_y<T, kPack>(a, xp[k], row, p * kPack, shift, mean_rel, rstd);
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t row = base + r * teams + team;
+      if (row >= s.rows) continue;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int64_t p = lane + k * kWidth;
+        if (p < npacks) write_y<T, kPack>(a, xp[r][k], row, p * kPack, shift[r], mean_rel[r], rstd[r]);
+      }
+      if (lane == 0) write_stats<T>(a, row, shift[r] + mean_rel[r], rstd[r]);
     }
-    if (lane == 0) write_stats<T>(a, row, shift + mean_rel, rstd);
   }
 }
 
@@ -193,6 +256,8 @@ __global__ void __launch_bounds__(128, forward_min_blocks<T>(kPack* kPacks * siz
 template <class T, int kPack>
 __global__ void __launch_bounds__(1024) forward_block(ForwardArgs a) {
   using A = acc_t<T>;
+  // 16-bit packs: a write chunk of 2 spilled at the 64-register cap of 1024 threads.
+  constexpr int kLoadChunk = kPack > 1 ? 4 : 1, kWriteChunk = kPack > 1 && sizeof(T) == 4 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ A scratch[64];
   T* cache = reinterpret_cast<T*>(smem_raw);
@@ -202,12 +267,25 @@ __global__ void __launch_bounds__(1024) forward_block(ForwardArgs a) {
   for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
     const A shift = row_shift<T>(s, x, row);
     A sum = 0, unused = 0;
-#pragma unroll(kPack > 1 ? 4 : 1)
-    for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x) {
-      const auto xp = load_pack<T, kPack>(x + row * s.cols + p * kPack);
-      store_pack(cache + p * kPack, xp);
+    // Session 4: all loads of a chunk are issued before any is consumed. The unrolled loop of
+    // session 3 compiled to LDG -> STS -> branch per pack (the store needs the load, and the
+    // trip-count branches kept the next LDG behind it): one 16-byte load in flight per thread.
+    for (int64_t p0 = threadIdx.x; p0 < npacks; p0 += kLoadChunk * blockDim.x) {
+      Pack<T, kPack> xp[kLoadChunk];
 #pragma unroll
-      for (int e = 0; e < kPack; ++e) sum += to_acc(xp.v[e]) - shift;
+      for (int k = 0; k < kLoadChunk; ++k) {
+        const int64_t p = p0 + k * blockDim.x;
+        if (p < npacks) xp[k] = load_pack<T, kPack>(x + row * s.cols + p * kPack);
+      }
+#pragma unroll
+      for (int k = 0; k < kLoadChunk; ++k) {
+        const int64_t p = p0 + k * blockDim.x;
+        if (p < npacks) {
+          store_pack(cache + p * kPack, xp[k]);
+#pragma unroll
+          for (int e = 0; e < kPack; ++e) sum += to_acc(xp[k].v[e]) - shift;
+        }
+      }
     }
     A mean_rel = 0;
     if (!s.rms) {
@@ -225,9 +303,21 @@ __global__ void __launch_bounds__(1024) forward_block(ForwardArgs a) {
     }
     block_sum2(sq, unused, scratch);
     const A rstd = inv_sqrt(sq / A(s.cols) + A(s.epsilon));
-#pragma unroll(kPack > 1 ? 4 : 1)
-    for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x)
-      write_y<T, kPack>(a, load_pack<T, kPack>(cache + p * kPack), row, p * kPack, shift, mean_rel, rstd);
+    // Same for the scale/bias loads (L1/L2 hits) ahead of the y stores (float: chunks of 2).
+    for (int64_t p0 = threadIdx.x; p0 < npacks; p0 += kWriteChunk * blockDim.x) {
+      ParamPacks<T, kPack> pp[kWriteChunk];
+#pragma unroll
+      for (int k = 0; k < kWriteChunk; ++k) {
+        const int64_t p = p0 + k * blockDim.x;
+        if (p < npacks) pp[k] = load_params<T, kPack>(a, row, p * kPack);
+      }
+#pragma unroll
+      for (int k = 0; k < kWriteChunk; ++k) {
+        const int64_t p = p0 + k * blockDim.x;
+        if (p < npacks)
+          store_y<T, kPack>(a, load_pack<T, kPack>(cache + p * kPack), pp[k], row, p * kPack, shift, mean_rel, rstd);
+      }
+    }
     if (threadIdx.x == 0) write_stats<T>(a, row, shift + mean_rel, rstd);
   }
 }
@@ -671,6 +761,149 @@ __global__ void __launch_bounds__(1024) backward_block(BackwardArgs a, int64_t u
           out[p * kPack + e] = smem_acc[p * kPack + e];
           if (nacc == 2) out[s.cols + p * kPack + e] = smem_acc[s.cols + p * kPack + e];
         }
+    }
+  }
+}
+
+// Loads this thread's packs (threadIdx.x + k * blockDim.x) of one row of x and dy.
+template <class T, int kPack, int kPacks>
+// Pack indices are 32-bit (npacks <= 512 * kPacks here): fewer 64-bit address registers.
+__device__ __forceinline__ void load_row_packs(const T* x, const T* dy, int64_t row, int64_t cols, int npacks,
+                                               Pack<T, kPack> (&xp)[kPacks], Pack<T, kPack> (&dp)[kPacks]) {
+  const T* xr = x + row * cols;
+  const T* dyr = dy + row * cols;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int p = threadIdx.x + k * blockDim.x;
+    if (p < npacks) {
+      xp[k] = load_pack<T, kPack>(xr + p * kPack);
+      dp[k] = load_pack<T, kPack>(dyr + p * kPack);
+    }
+  }
+}
+
+// One block per row for rows of up to kPacks * 512 16-byte packs (2048-8192 columns), session 4.
+// backward_block caches x and dy in shared memory and walks its rows strictly load -> reduce ->
+// write; with the workspace's 264 slots capping the grid at 2 blocks per SM, a block had one row's
+// loads in flight only during the load phase (bfloat16 4096 columns: 16 KB per block, ~1/4 of the
+// row time), so the backward ran at the same per-row time as float32, i.e. half its bandwidth.
+// Here x and dy stay in registers (kPacks packs a thread), the column accumulators of the
+// thread's own columns too (no shared memory besides the reduction scratch); the next row is
+// loaded after the current row's dx is written. (A variant that loaded the next row's x, dy,
+// mean and rstd before the current row's reductions measured 2-4 % slower on the H100, session
+// 4, and was removed.) kSmemAcc (float): the accumulators of the thread's columns live in
+// dynamic shared memory instead (nacc x cols, 16-byte chunks with threads adjacent, no barrier:
+// each thread only touches its own columns); this is the measured float configuration (chosen
+// when the prefetch variant needed the registers: > 128 with register accumulators).
+template <class T, int kPack, int kPacks, bool kSmemAcc>
+__global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t used) {
+  using A = acc_t<T>;
+  __shared__ A scratch[64];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  A* sacc = reinterpret_cast<A*>(smem_raw);  // kSmemAcc: [nacc][cols], thread-owned columns
+  const Shape s = a.shape;
+  const int nacc = num_acc(s.rms);
+  const int npacks = static_cast<int>(s.cols / kPack);
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  T* dx = static_cast<T*>(a.dx);
+  for (int64_t slot = blockIdx.x; slot < s.groups * used; slot += gridDim.x) {
+    const int64_t g = slot / used, j = slot % used;
+    int64_t begin, end;
+    slot_rows(s, g, j, used, &begin, &end);
+    const T* scale = static_cast<const T*>(a.scale) + g * s.cols;
+    A acc_s[kSmemAcc ? 1 : kPacks][kPack], acc_b[kSmemAcc ? 1 : kPacks][kPack];
+#pragma unroll
+    for (int k = 0; k < (kSmemAcc ? 1 : kPacks); ++k)
+#pragma unroll
+      for (int e = 0; e < kPack; ++e) acc_s[k][e] = acc_b[k][e] = A(0);
+    if constexpr (kSmemAcc) {
+      Pack<A, kPack> zero;
+#pragma unroll
+      for (int e = 0; e < kPack; ++e) zero.v[e] = A(0);
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int p = threadIdx.x + k * blockDim.x;
+        if (p < npacks) {
+          store_pack(sacc + p * kPack, zero);
+          if (nacc == 2) store_pack(sacc + s.cols + p * kPack, zero);
+        }
+      }
+    }
+    Pack<T, kPack> xp[kPacks], dp[kPacks];
+    A mean = 0, rstd = 0;
+    if (begin < end) {
+      load_row_packs<T, kPack, kPacks>(x, dy, begin, s.cols, npacks, xp, dp);
+      row_stats<T>(a, begin, mean, rstd);
+    }
+    for (int64_t row = begin; row < end; ++row) {  // block-uniform: the barriers below are safe
+      // The scale packs are loop-invariant: without this clobber they (and their float conversions)
+      // are hoisted out of the row loop and kept live, 16 registers; re-reading them is an L1 hit.
+      asm volatile("" ::: "memory");
+      A sum_g = 0, sum_gx = 0;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int p = threadIdx.x + k * blockDim.x;
+        if (p < npacks)
+          pack_sums<T, kPack>(xp[k], dp[k], load_pack<T, kPack>(scale + p * kPack), mean, rstd, sum_g, sum_gx);
+      }
+      block_sum2(sum_g, sum_gx, scratch);
+      const A mg = s.rms ? A(0) : sum_g / A(s.cols), mgx = sum_gx / A(s.cols);
+      // As in backward_warp: keep x and dy live across the barrier only in their storage type.
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        opaque_regs(xp[k]);
+        opaque_regs(dp[k]);
+      }
+      T* dxr = dx + row * s.cols;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int p = threadIdx.x + k * blockDim.x;
+        if (p < npacks) {
+          A* as = acc_s[kSmemAcc ? 0 : k];
+          A* ab = acc_b[kSmemAcc ? 0 : k];
+          if constexpr (kSmemAcc) {
+            const auto cs = load_pack<A, kPack>(sacc + p * kPack);
+            Pack<A, kPack> cb;
+            if (nacc == 2) cb = load_pack<A, kPack>(sacc + s.cols + p * kPack);
+#pragma unroll
+            for (int e = 0; e < kPack; ++e) {
+              as[e] = cs.v[e];
+              ab[e] = nacc == 2 ? cb.v[e] : A(0);
+            }
+          }
+          store_pack(dxr + p * kPack,
+                     pack_dx<T, kPack>(xp[k], dp[k], load_pack<T, kPack>(scale + p * kPack), mean, rstd, mg, mgx,
+                                       as, ab));  // rms_norm: ab is added to but never stored
+          if constexpr (kSmemAcc) {
+            Pack<A, kPack> cs, cb;
+#pragma unroll
+            for (int e = 0; e < kPack; ++e) {
+              cs.v[e] = as[e];
+              cb.v[e] = ab[e];
+            }
+            store_pack(sacc + p * kPack, cs);
+            if (nacc == 2) store_pack(sacc + s.cols + p * kPack, cb);
+          }
+        }
+      }
+      if (row + 1 < end) {
+        load_row_packs<T, kPack, kPacks>(x, dy, row + 1, s.cols, npacks, xp, dp);
+        row_stats<T>(a, row + 1, mean, rstd);
+      }
+    }
+    // Each thread owns its columns for the whole slot: write them straight to the slot's row.
+    A* out = slot_ptr<T>(a, g, j);
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = threadIdx.x + k * blockDim.x;
+      if (p < npacks) {
+#pragma unroll
+        for (int e = 0; e < kPack; ++e) {
+          out[p * kPack + e] = kSmemAcc ? sacc[p * kPack + e] : acc_s[k][e];
+          if (nacc == 2) out[s.cols + p * kPack + e] = kSmemAcc ? sacc[s.cols + p * kPack + e] : acc_b[k][e];
+        }
+      }
     }
   }
 }
