@@ -327,6 +327,16 @@ def test_many_rows_gpu(key, dtype):
         close(g, w, dtype, 2.0)
 
 
+def _check_both_grads(x, scale, bias, dtype):
+    """layer_norm's and rms_norm's gradients (jitted) against the pure-JAX references."""
+    ln, rms = _loss_fns(jaxops.layer_norm, jaxops.rms_norm, x)
+    ln_r, rms_r = _loss_fns(ln_ref, rms_ref, x)
+    for g, w in zip(jax.jit(jax.grad(ln, (0, 1, 2)))(x, scale, bias), jax.grad(ln_r, (0, 1, 2))(x, scale, bias)):
+        close(g, w, dtype, 2.0)
+    for g, w in zip(jax.jit(jax.grad(rms, (0, 1)))(x, scale), jax.grad(rms_r, (0, 1))(x, scale)):
+        close(g, w, dtype, 2.0)
+
+
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("rows,cols", [(2000, 4096), (700, 8192), (1500, 2056), (600, 6152)])
@@ -338,12 +348,7 @@ def test_register_row_backward_gpu(key, dtype, rows, cols):
     k1, k2 = jax.random.split(key)
     x = normal(k1, (rows, cols), dtype) + jnp.asarray(0.5, dtype)
     scale, bias = params(k2, cols, dtype)
-    ln, rms = _loss_fns(jaxops.layer_norm, jaxops.rms_norm, x)
-    ln_r, rms_r = _loss_fns(ln_ref, rms_ref, x)
-    for g, w in zip(jax.jit(jax.grad(ln, (0, 1, 2)))(x, scale, bias), jax.grad(ln_r, (0, 1, 2))(x, scale, bias)):
-        close(g, w, dtype, 2.0)
-    for g, w in zip(jax.jit(jax.grad(rms, (0, 1)))(x, scale), jax.grad(rms_r, (0, 1))(x, scale)):
-        close(g, w, dtype, 2.0)
+    _check_both_grads(x, scale, bias, dtype)
 
 
 @gpu_only
@@ -363,12 +368,7 @@ def test_narrow_team_forward_gpu(key, dtype, cols):
     scale, bias = params(k2, cols, dtype)
     close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
     close(jaxops.rms_norm(x, scale), rms_ref(x, scale), dtype)
-    ln, rms = _loss_fns(jaxops.layer_norm, jaxops.rms_norm, x)
-    ln_r, rms_r = _loss_fns(ln_ref, rms_ref, x)
-    for g, w in zip(jax.jit(jax.grad(ln, (0, 1, 2)))(x, scale, bias), jax.grad(ln_r, (0, 1, 2))(x, scale, bias)):
-        close(g, w, dtype, 2.0)
-    for g, w in zip(jax.jit(jax.grad(rms, (0, 1)))(x, scale), jax.grad(rms_r, (0, 1))(x, scale)):
-        close(g, w, dtype, 2.0)
+    _check_both_grads(x, scale, bias, dtype)
 
 
 def test_misaligned_rows_fall_back_to_scalar_packs(key):
