@@ -43,8 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxops
 from jaxops.bench.hlo import gather_sizes
-from jaxops.bench import device_clock
-from jaxops.bench.timing import _batched
+from jaxops.bench.timing import _batched, dispatch_median
 
 HBM_BYTES_PER_S = 4e12  # H200 achievable copy bandwidth, for the size/time plan only
 F32_FLOPS = 50e12  # float32 (non-tensor-core) GEMM
@@ -150,15 +149,7 @@ def _time(compiled, sets, calls: int, repeats: int):
         outs[0] = compiled(*sets)
         jax.block_until_ready(outs[0])
 
-    spans = device_clock.dispatch_seconds(run, repeats) if device_clock.available() else None
-    if spans is not None:
-        return float(np.median(spans)) / calls, outs[0]
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        samples.append((time.perf_counter() - start) / calls)
-    return float(np.median(samples)), outs[0]
+    return dispatch_median(run, repeats) / calls, outs[0]
 
 
 def compare(y1, yn, device, index_mismatch: float, float_mismatch: float = 0.0) -> tuple[bool, str]:

@@ -12,7 +12,7 @@ them (an op whose launches cannot keep the GPU busy still pays for that).
 from __future__ import annotations
 
 import os
-from typing import Callable, Sequence
+from typing import Callable
 
 import jax
 
@@ -26,20 +26,34 @@ def available() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _device_events(xspace: bytes) -> dict[str, list[Event]]:
-    """Activities per device plane. Only the per-stream lines: the planes' derived lines
-    ("XLA Ops", "XLA Modules", ...) repeat the same time ranges under other names."""
+def _record(run: Callable[[], object], times: int) -> bytes:
+    """Calls `run` `times` times under one profiler session; returns the serialized XSpace."""
+    from jax._src.lib import _profiler
+
+    session = _profiler.ProfilerSession(_profiler.ProfileOptions())
+    try:
+        for _ in range(times):
+            run()
+    finally:
+        xspace = session.stop()
+    return xspace
+
+
+def _stream_events(xspace: bytes) -> dict[str, list[tuple[int, int, str]]]:
+    """(start ns, end ns, name) of each activity, sorted, per GPU plane that has any. Only the
+    per-stream lines: the planes' derived lines ("XLA Ops", "XLA Modules", ...) repeat the same
+    time ranges under other names."""
     from jax.profiler import ProfileData
 
-    out: dict[str, list[Event]] = {}
+    out: dict[str, list[tuple[int, int, str]]] = {}
     for plane in ProfileData.from_serialized_xspace(xspace).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
-        events = [(int(e.start_ns), int(e.start_ns + e.duration_ns))
-                  for line in plane.lines if line.name.startswith("Stream")
-                  for e in line.events]
+        events = sorted((int(e.start_ns), int(e.start_ns + e.duration_ns), e.name)
+                        for line in plane.lines if line.name.startswith("Stream")
+                        for e in line.events)
         if events:
-            out[plane.name] = sorted(events)
+            out[plane.name] = events
     return out
 
 
@@ -64,53 +78,26 @@ def dispatch_seconds(run: Callable[[], object], dispatches: int) -> list[float] 
     """Device seconds of each of `dispatches` calls of `run` (which must block until done), or
     None when the profiler recorded no usable GPU activity (another CUPTI client such as
     Nsight Compute holds the GPU, or the dispatches could not be told apart)."""
-    from jax._src.lib import _profiler
-
     try:
-        session = _profiler.ProfilerSession(_profiler.ProfileOptions())
+        xspace = _record(run, dispatches)
     except Exception:  # noqa: BLE001 - any failure to start tracing means: use the wall clock
         return None
-    try:
-        for _ in range(dispatches):
-            run()
-    finally:
-        xspace = session.stop()
-    per_device = _device_events(xspace)
+    per_device = _stream_events(xspace)
     if not per_device:
         return None
     first = [float("inf")] * dispatches
     last = [float("-inf")] * dispatches
     for events in per_device.values():
-        chunks = _split(events, dispatches)
+        chunks = _split([(start, end) for start, end, _ in events], dispatches)
         if chunks is None:
             return None
         for i, chunk in enumerate(chunks):  # on several devices: earliest start to latest end
             first[i] = min(first[i], chunk[0][0])
             last[i] = max(last[i], max(e for _, e in chunk))
-    spans = [(b - a) * 1e-9 for a, b in zip(first, last)]
-    return spans
+    return [(b - a) * 1e-9 for a, b in zip(first, last)]
 
 
 def activity_events(run: Callable[[], object]) -> dict[str, list[tuple[int, int, str]]]:
     """(start ns, end ns, name) of every GPU activity of one call of `run`, per device plane;
     for tools that break a dispatch down by kernel (tools/trace_kernels.py)."""
-    from jax._src.lib import _profiler
-    from jax.profiler import ProfileData
-
-    session = _profiler.ProfilerSession(_profiler.ProfileOptions())
-    try:
-        run()
-    finally:
-        xspace = session.stop()
-    out: dict[str, list[tuple[int, int, str]]] = {}
-    for plane in ProfileData.from_serialized_xspace(xspace).planes:
-        if os.environ.get("JAXOPS_TRACE_LINES"):
-            print(plane.name, [(line.name, len(list(line.events))) for line in plane.lines])
-        if plane.name.startswith("/device:GPU"):
-            out[plane.name] = sorted(
-                (int(e.start_ns), int(e.start_ns + e.duration_ns), e.name)
-                for line in plane.lines if line.name.startswith("Stream") for e in line.events)
-    return out
-
-
-__all__: Sequence[str] = ("available", "dispatch_seconds", "activity_events")
+    return _stream_events(_record(run, 1))

@@ -37,25 +37,31 @@ def _batched(fn: Callable[..., Any], inner: int):
     return jax.jit(run)
 
 
-def time_fn(fn: Callable[..., Any], input_sets: Sequence[Sequence[jax.Array]], repeats: int,
-            inner: int = 1) -> float:
-    """Median seconds of one call of `fn`: len(input_sets) * inner calls per timed dispatch."""
-    run = _batched(fn, inner)
-    calls = len(input_sets) * inner
-    jax.block_until_ready(run(*input_sets))  # compile and warm up
-    jax.block_until_ready(run(*input_sets))
+def dispatch_median(run: Callable[[], object], repeats: int) -> float:
+    """Median seconds of one blocking dispatch `run()` over `repeats`: device time on a GPU,
+    else (or if the profiler records nothing) the wall clock."""
     if device_clock.available():
-        spans = device_clock.dispatch_seconds(lambda: jax.block_until_ready(run(*input_sets)), repeats)
+        spans = device_clock.dispatch_seconds(run, repeats)
         if spans is not None:
-            return statistics.median(spans) / calls
+            return statistics.median(spans)
         print("jaxops-bench: no device activity recorded; this case falls back to the wall clock",
               file=sys.stderr)
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(run(*input_sets))
-        samples.append((time.perf_counter() - start) / calls)
+        run()
+        samples.append(time.perf_counter() - start)
     return statistics.median(samples)
+
+
+def time_fn(fn: Callable[..., Any], input_sets: Sequence[Sequence[jax.Array]], repeats: int,
+            inner: int = 1) -> float:
+    """Median seconds of one call of `fn`: len(input_sets) * inner calls per timed dispatch."""
+    run = _batched(fn, inner)
+    jax.block_until_ready(run(*input_sets))  # compile and warm up
+    jax.block_until_ready(run(*input_sets))
+    seconds = dispatch_median(lambda: jax.block_until_ready(run(*input_sets)), repeats)
+    return seconds / (len(input_sets) * inner)
 
 
 def clock_name() -> str:
