@@ -29,16 +29,27 @@ __all__ = ["sum", "mean", "max", "min", "logsumexp", "argmax", "argmin"]
 # Values of the FFI `op` attribute (cc/reduce/reduce_ops.h: OpKind).
 _OPS = {"sum": 0, "mean": 1, "max": 2, "min": 3, "logsumexp": 4, "argmax": 5, "argmin": 6}
 _ARG_OPS = ("argmax", "argmin")
+_WIDE_STATE_OPS = ("argmax", "argmin", "logsumexp")  # 8-byte partial states in float32
 # Value of an empty reduction where jnp has one.
 _EMPTY = {"sum": 0.0, "mean": float("nan"), "logsumexp": -float("inf")}
 
 # Launch plan constants shared with cc/reduce/reduce_kernels.cuh: rows up to this length get a
-# warp each; otherwise the reduced axis is split until about _TARGET_BLOCKS blocks fill the GPU.
+# warp each; otherwise the reduced axis may be split into chunks whose partial states a second
+# kernel (merge_kernel) merges in a fixed order. See _splits for how many chunks.
 _WARP_ROW_MAX = 4096
-_TARGET_BLOCKS = 1024
+_TARGET_BLOCKS = 1024     # split rows/full (and float64 columns): about this many blocks
 _BUSY_BLOCKS = 512        # this many blocks without splitting already fill an H100
 _MIN_ROW_CHUNK = 8192     # elements per block of a split row
 _COLUMN_THREADS = 256
+_PLAN_SMS = 132           # H100 SMs: a constant of the plan, so results never depend on the device
+
+
+def _wave_blocks(itemsize: int, rows: bool) -> int:
+    """Blocks of a split launch that are resident at once on an H100 under the kernels' launch
+    bounds (cc/reduce/reduce_kernels.cuh: min_blocks): 256-thread blocks, >= 3 per SM for every
+    2- and 4-byte kernel; float32 split rows use 512-thread blocks, >= 2 per SM."""
+    per_sm = 2 if (rows and itemsize == 4) else 3
+    return per_sm * _PLAN_SMS
 
 
 def sum(x: jax.typing.ArrayLike, axis: int | tuple[int, ...] | None = None,
@@ -158,12 +169,29 @@ def _next_pow2(v: int, cap: int) -> int:
     return p
 
 
-def _splits(outer: int, n: int, inner: int, itemsize: int) -> int:
-    """How many chunks the reduced axis is cut into (a fixed function of the shape, so results
-    do not depend on the device); mirrors the block shapes of reduce_kernels.cuh."""
+def _splits(outer: int, n: int, inner: int, itemsize: int, fn: str = "sum") -> int:
+    """How many chunks the reduced axis is cut into (a fixed function of the shape, dtype size and
+    op, so results do not depend on the device); mirrors the block shapes of reduce_kernels.cuh.
+
+    Columns (2- and 4-byte types): one resident H100 wave of blocks (_wave_blocks), ~80+ rows a
+    thread, so the per-block fixed costs (first-load latency, the fold) are paid rarely and no
+    wave is partly empty (H100, session 5: bf16 argmax_cols 77 -> 54 µs, sum_cols unchanged).
+
+    Rows with few long rows, and full reductions: about _TARGET_BLOCKS blocks of >= 8192
+    elements (several waves, which the block scheduler balances across SMs). The one-wave plan
+    was measured worse there (H100, session 5: full f32 sum 94 vs 89 µs, bf16 split rows and
+    full 1-3 µs slower): with exactly one block per slot, an SM that streams slower than the
+    others sets the end of the launch, and the last microseconds have few loads in flight.
+    One exception, the only cases where one wave measured better: float32 argmax/argmin/
+    logsumexp (8-byte states, compute-heavy loops at 4 packs a thread) on more than one row,
+    64x2^20: 92.6 / 93.3 µs vs 95.7 / 96.2. Their full reduction (one row) keeps the ~1024-block
+    plan (one wave: 97.7 vs 95.8 µs).
+    """
     if inner == 1:
         if n <= _WARP_ROW_MAX or outer >= _BUSY_BLOCKS:
             return 1
+        if itemsize == 4 and fn in _WIDE_STATE_OPS and outer > 1:
+            return builtins.max(1, builtins.min(_wave_blocks(itemsize, True) // outer, n // _MIN_ROW_CHUNK))
         return builtins.max(1, builtins.min(-(-_TARGET_BLOCKS // outer), -(-n // _MIN_ROW_CHUNK)))
     pack = 16 // itemsize if inner % (16 // itemsize) == 0 else 1
     tx = _next_pow2(-(-inner // pack), 32)
@@ -171,7 +199,9 @@ def _splits(outer: int, n: int, inner: int, itemsize: int) -> int:
     blocks = outer * -(-inner // (tx * pack))
     if blocks >= _BUSY_BLOCKS:
         return 1
-    return builtins.max(1, builtins.min(-(-_TARGET_BLOCKS // blocks), n // (4 * ty)))
+    if itemsize > 4:  # float64: no measured reason to change its plan
+        return builtins.max(1, builtins.min(-(-_TARGET_BLOCKS // blocks), n // (4 * ty)))
+    return builtins.max(1, builtins.min(_wave_blocks(itemsize, False) // blocks, n // (4 * ty)))
 
 
 def _state_bytes(fn: str, dtype) -> int:
@@ -238,7 +268,7 @@ def _any(flags, names):
 
 def _call_block(fn: str, x3: jax.Array) -> jax.Array:
     outer, n, inner = x3.shape
-    splits = _splits(outer, n, inner, jnp.dtype(x3.dtype).itemsize)
+    splits = _splits(outer, n, inner, jnp.dtype(x3.dtype).itemsize, fn)
     ws_bytes = outer * inner * splits * _state_bytes(fn, x3.dtype) if splits > 1 else 0
     out_dtype = jnp.int32 if fn in _ARG_OPS else x3.dtype
     y, _ = ffi_call(fn, "jaxops_reduce",

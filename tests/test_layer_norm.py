@@ -341,8 +341,8 @@ def _check_both_grads(x, scale, bias, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("rows,cols", [(2000, 4096), (700, 8192), (1500, 2056), (600, 6152)])
 def test_register_row_backward_gpu(key, dtype, rows, cols):
-    # backward_rows (2048-8192 columns, x/dy in registers): several rows per slot (264 slots: 2000
-    # rows -> 8 a slot, the last slots empty), so the next-row loads at the end of the row loop and
+    # backward_rows (2048-8192 columns, x/dy in registers): several rows per slot (at most 528 slots:
+    # 2000 rows -> 3-8 a slot by occupancy), so the next-row loads at the end of the row loop and
     # the slot-end accumulator writes run; 2056/6152 columns leave the threads' last pack partly
     # past the row (float 514/1538 packs over 4 a thread, 16-bit 257/769 packs over 2).
     k1, k2 = jax.random.split(key)
@@ -379,3 +379,125 @@ def test_misaligned_rows_fall_back_to_scalar_packs(key):
         scale, bias = params(k2, cols, jnp.bfloat16)
         close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), jnp.bfloat16)
         close(jaxops.rms_norm(x, scale), rms_ref(x, scale), jnp.bfloat16)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("cols", [8, 16, 24, 40, 72, 128, 136, 264, 520, 776, 1024])
+def test_lean_team_forward_gpu(key, dtype, cols):
+    # forward_lean (session 5): every team width (1..32 lanes of one pack; 8 columns of 16-bit =
+    # 1 lane, 24/40/72/136 = lanes past the row's last pack), wide teams of 2/4/8 packs with a
+    # partial last round (264, 520, 776 columns), odd row counts (partial last block and float's
+    # partial last 2-row team), rows
+    # off zero (the row shift comes from lane 0 by a shuffle), and the saved mean / rstd, checked
+    # through the residuals against the float64 formula. Per-example parameters (vmap, groups > 1)
+    # take forward_team: checked too.
+    rows = 3001
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (rows, cols), dtype, scale=2.0) + jnp.asarray(3.0, dtype)
+    scale, bias = params(k2, cols, dtype)
+    close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
+    close(jaxops.rms_norm(x, scale), rms_ref(x, scale), dtype)
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
+    _check_both_grads(x, scale, bias, dtype)  # uses the saved mean / rstd of every row
+    exact = (xf - xf.mean(-1, keepdims=True)) / np.sqrt(xf.var(-1, keepdims=True) + 1e-5)
+    y = np.asarray(jaxops.layer_norm(x, jnp.ones_like(scale), jnp.zeros_like(bias)).astype(jnp.float32))
+    np.testing.assert_allclose(y, exact, rtol=2 * tol(dtype)["rtol"], atol=2 * tol(dtype)["rtol"] * 4)
+    xs = x[:60].reshape(3, 20, cols)
+    s3 = jnp.stack([scale, bias, scale])
+    b3 = jnp.stack([bias, scale, bias])
+    got = jax.vmap(jaxops.layer_norm)(xs, s3, b3)
+    close(got, jax.vmap(ln_ref)(xs, s3, b3), dtype)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("cols", [1032, 2056, 4096, 6152, 8192])
+def test_lean_block_forward_gpu(key, dtype, cols):
+    # forward_block_lean (session 5): one block per row, row cached in shared memory, for 16-byte
+    # packs with one parameter group. 1032 columns (float32 258 packs, 16-bit 129) and 2056 / 6152
+    # leave the last load chunk of 4 packs a thread partly past the row; 2500 rows exceed the grid
+    # at the wide rows (grid-stride loop); rows far from zero check the shift (first element) and
+    # the saved mean / rstd (through the gradients and the float64 formula). Per-example
+    # parameters (vmap, groups > 1) take forward_block: checked too.
+    rows = 2500
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (rows, cols), dtype, scale=2.0) + jnp.asarray(3.0, dtype)
+    scale, bias = params(k2, cols, dtype)
+    close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
+    close(jaxops.rms_norm(x, scale), rms_ref(x, scale), dtype)
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
+    exact = (xf - xf.mean(-1, keepdims=True)) / np.sqrt(xf.var(-1, keepdims=True) + 1e-5)
+    y = np.asarray(jaxops.layer_norm(x, jnp.ones_like(scale), jnp.zeros_like(bias)).astype(jnp.float32))
+    np.testing.assert_allclose(y, exact, rtol=2 * tol(dtype)["rtol"], atol=2 * tol(dtype)["rtol"] * 4)
+    _check_both_grads(x[:600], scale, bias, dtype)
+    xs = x[:30].reshape(3, 10, cols)
+    s3 = jnp.stack([scale, bias, scale])
+    b3 = jnp.stack([bias, scale, bias])
+    close(jax.vmap(jaxops.layer_norm)(xs, s3, b3), jax.vmap(ln_ref)(xs, s3, b3), dtype)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rows", [1, 3, 9, 131, 4103])
+@pytest.mark.parametrize("cols", [8, 128, 1024, 1032, 4096])
+def test_forward_grid_partial_blocks_gpu(key, dtype, rows, cols):
+    # Non-persistent forward grids (session 5: grid = ceil(rows / rows a block), one row group a
+    # block): row counts that leave the last block partly empty (lean team blocks hold 8-256 rows:
+    # 16-bit one row a team, float two) or give fewer blocks than SMs, for the narrow (8, 128),
+    # wide (1024) and block (1032, 4096) lean kernels. Under JAXOPS_EXPERIMENT=ln5_persist the
+    # same rows run the persistent grid (blocks looping over several row groups).
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (rows, cols), dtype, scale=2.0) + jnp.asarray(1.5, dtype)
+    scale, bias = params(k2, cols, dtype)
+    close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
+    close(jaxops.rms_norm(x, scale), rms_ref(x, scale), dtype)
+
+
+@gpu_only
+@pytest.mark.parametrize("rows,cols", [(8 * 65537 + 5, 128), (65539, 1032)])
+def test_forward_large_grid_gpu(key, rows, cols):
+    # The largest grids the tests can afford (~135 MB of bfloat16): bfloat16 128 columns (8 rows a
+    # block: 65538 blocks, the last with 5 rows) and 1032 columns (forward_block_lean, one row a
+    # block: 65539 blocks), past the 65535 limit of the other grid dimensions and with 64-bit row
+    # offsets past 2^26 elements. Every row is checked against the reference.
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (rows, cols), jnp.bfloat16) + jnp.asarray(1.0, jnp.bfloat16)
+    scale, bias = params(k2, cols, jnp.bfloat16)
+    close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), jnp.bfloat16)
+    close(jaxops.rms_norm(x, scale), rms_ref(x, scale), jnp.bfloat16)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rows,cols", [(5000, 2056), (3001, 4096), (263, 6152), (1100, 8192)])
+def test_lean_backward_rows_gpu(key, dtype, rows, cols):
+    # backward_rows_lean (session 5, 16-bit 2048-8192 columns): column sums in shared memory,
+    # several rows a slot (5000 / <= 528 slots -> >= 9 a slot; 3001 -> >= 5, uneven), fewer rows than
+    # slots (263: one row a slot, one slot empty), partial last packs (2056 = 257 packs over 2 a
+    # thread, 6152 = 769), rows off zero. dx / dscale / dbias against the formula for both ops,
+    # and dscale / dbias bit-identical over two runs (fixed-order sums).
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (rows, cols), dtype) + jnp.asarray(2.0, dtype)
+    scale, bias = params(k2, cols, dtype)
+    _check_both_grads(x, scale, bias, dtype)
+    w = jax.random.normal(jax.random.key(3), x.shape, jnp.float32).astype(dtype)
+    f = jax.jit(jax.grad(lambda x, s, b: jnp.sum((jaxops.layer_norm(x, s, b) * w).astype(jnp.float32)), (1, 2)))
+    g = jax.jit(jax.grad(lambda x, s: jnp.sum((jaxops.rms_norm(x, s) * w).astype(jnp.float32)), 1))
+    first, second = f(x, scale, bias), f(x, scale, bias)
+    for u, v in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(u.astype(jnp.float32)), np.asarray(v.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(g(x, scale).astype(jnp.float32)),
+                                  np.asarray(g(x, scale).astype(jnp.float32)))
+    if cols == 4096:  # per-example parameters (vmap: groups > 1, each group its own slots)
+        xs = x[:600].reshape(3, 200, cols)
+        s3, b3 = jnp.stack([scale, bias, scale]), jnp.stack([bias, scale, bias])
+        ws = w[:600].reshape(3, 200, cols)
+
+        def loss(fn):
+            return lambda x, s, b: jnp.sum((jax.vmap(fn)(x, s, b) * ws).astype(jnp.float32))
+
+        got = jax.jit(jax.grad(loss(jaxops.layer_norm), (0, 1, 2)))(xs, s3, b3)
+        want = jax.grad(loss(ln_ref), (0, 1, 2))(xs, s3, b3)
+        for u, v in zip(got, want):
+            close(u, v, dtype, 2.0)

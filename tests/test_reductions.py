@@ -409,6 +409,103 @@ def test_ffi_handler_validates_again():
                                            x, op=op, splits=splits))
 
 
+# (shape of the (outer, n, inner) view, splits): explicit split counts through the FFI target.
+# On the GPU every split launch is row_block_kernel / column_kernel writing partial states,
+# then merge_kernel: 1-column tiles (rows) and 2- to 8-column tiles (its one-barrier fold,
+# 32 lanes a column for 1-2 columns), many units (1100 rows / 1100 column units: a grid of
+# merge blocks), more splits than rows/packs (empty chunks), odd split counts, and 16-byte vs
+# scalar packs. The CPU ignores splits.
+EXPLICIT_SPLITS = [
+    ((1, 70001, 1), 5),        # one row, odd length (scalar packs)
+    ((3, 40960, 1), 7),        # rows, 16-byte packs
+    ((1100, 300, 1), 2),       # 1100 rows: merge_kernel over many 1-column tiles; block rows
+                               # even for a short row (explicit splits > 1 skip the warp kernel)
+    ((2, 9, 1), 5),            # splits close to the row length: short and empty chunks
+    ((1, 5000, 2), 13),        # 2 columns: fold_rows with 32 lanes a column
+    ((1, 3001, 64), 9),        # 8-column tiles (bf16) / 16 (f32)
+    ((1100, 40, 8), 3),        # 1100 column units through merge_kernel
+    ((3, 700, 520), 4),        # several tiles per slab, partial last tile
+    ((1, 6, 64), 11),          # more splits than rows: empty chunks in a column launch
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_explicit_splits_every_merge_path(dtype, key):
+    """Every op with explicit split counts equals the unsplit reference; arg ops with ties
+    across chunk boundaries keep the first index; repeated calls are bit-identical."""
+    from jaxops._ffi import ffi_call
+    from jaxops._reductions import _OPS, _state_bytes
+
+    rng = _rng(key)
+    ops = VALUE_OPS + ARG_OPS
+    for (outer, n, inner), splits in EXPLICIT_SPLITS:
+        x = _rand(rng, (outer, n, inner), dtype, scale=2.0)
+        xt = jnp.asarray(np.round(2 * rng.standard_normal((outer, n, inner))).astype(np.float32).astype(dtype))
+
+        @jax.jit
+        def run(x, xt):  # one compilation per view: every op with `splits` chunks
+            outs = []
+            for op in ops:
+                arg = op in ARG_OPS
+                ws = outer * inner * splits * _state_bytes(op, dtype)
+                outs.append(ffi_call(op, "jaxops_reduce",
+                                     (jax.ShapeDtypeStruct((outer, inner), jnp.int32 if arg else dtype),
+                                      jax.ShapeDtypeStruct((ws,), jnp.uint8)),
+                                     xt if arg else x, op=_OPS[op], splits=splits)[0])
+            return outs
+
+        first, again = run(x, xt), run(x, xt)
+        for op, got, got2 in zip(ops, first, again):
+            what = f"{op} {(outer, n, inner)} splits={splits}"
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(got2).view(np.uint8),
+                                          err_msg=f"{what}: not repeatable")
+            if op in ARG_OPS:
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(REF[op](xt, axis=1)), err_msg=what)
+            else:
+                _check_value(op, got, x, 1, False)
+
+
+def test_split_plan():
+    """The shape-only plan (jaxops._reductions._splits): column splits fill one resident wave of
+    the H100 (3 blocks of 256 threads per SM); split rows and full reductions take about 1024
+    blocks of >= 8192 elements, except float32 arg/logsumexp over more than one row (one wave of
+    2 blocks of 512 per SM); the benchmark shapes get the planned split counts."""
+    from jaxops._reductions import _MIN_ROW_CHUNK, _TARGET_BLOCKS, _splits, _wave_blocks
+
+    plans = {  # (outer, n, inner, itemsize, fn): splits
+        (1, 1 << 26, 1, 2, "sum"): 1024, (1, 1 << 26, 1, 2, "argmax"): 1024,
+        (1, 1 << 26, 1, 4, "sum"): 1024, (1, 1 << 26, 1, 4, "argmax"): 1024,
+        (1, 1 << 26, 1, 4, "logsumexp"): 1024,
+        (64, 1 << 20, 1, 2, "sum"): 16, (64, 1 << 20, 1, 2, "logsumexp"): 16, (64, 1 << 20, 1, 2, "argmax"): 16,
+        (64, 1 << 20, 1, 4, "sum"): 16, (64, 1 << 20, 1, 4, "max"): 16,
+        (64, 1 << 20, 1, 4, "argmax"): 4, (64, 1 << 20, 1, 4, "argmin"): 4, (64, 1 << 20, 1, 4, "logsumexp"): 4,
+        (64, 1 << 20, 1, 8, "argmax"): 16,
+        (1, 1 << 20, 64, 2, "sum"): 396, (1, 1 << 18, 256, 2, "argmax"): 396, (1, 1 << 14, 4096, 2, "sum"): 24,
+        (1, 1 << 20, 64, 4, "sum"): 396, (1, 1 << 14, 4096, 4, "argmax"): 12,
+        (1, 1 << 20, 64, 8, "sum"): 1024,  # float64 columns: about 1024 blocks
+        (1024, 65536, 1, 2, "sum"): 1, (1024, 65536, 1, 4, "argmax"): 1, (8, 4096, 1, 4, "sum"): 1,
+    }
+    for (outer, n, inner, size, fn), want in plans.items():
+        assert _splits(outer, n, inner, size, fn) == want, (outer, n, inner, size, fn)
+    for outer in (1, 3, 64, 133, 200, 397, 511):
+        for n, inner in ((1 << 20, 1), (1 << 16, 1), (1 << 16, 64), (1 << 16, 520)):
+            for size in (2, 4):
+                for fn in ("sum", "argmax"):
+                    k = _splits(outer, n, inner, size, fn)
+                    assert k >= 1
+                    if inner == 1 and not (size == 4 and fn == "argmax" and outer > 1):
+                        # about _TARGET_BLOCKS blocks, chunks of >= _MIN_ROW_CHUNK elements
+                        assert k == min(-(-_TARGET_BLOCKS // outer), -(-n // _MIN_ROW_CHUNK)), (outer, n, k)
+                        continue
+                    pack = 16 // size if inner % (16 // size) == 0 else 1
+                    tx = min(32, 1 << (-(-inner // pack) - 1).bit_length())
+                    units = outer if inner == 1 else outer * -(-inner // (tx * pack))
+                    if k > 1:  # one resident wave, as full as the chunk floor allows
+                        assert units * k <= _wave_blocks(size, inner == 1), (outer, n, inner, size, k)
+                        assert units * (k + 1) > _wave_blocks(size, inner == 1) or k == n // _MIN_ROW_CHUNK \
+                            or inner > 1
+
+
 @gpu_only
 def test_more_than_2_pow_31_elements():
     """64-bit offsets: rows and columns of arrays with more than 2^31 elements (bfloat16)."""

@@ -205,9 +205,11 @@ def test_cluster_paths_bfloat16(cols, key):
 @pytest.mark.parametrize("rows,cols", [(2000, 8192), (600, 32768), (64, 262144)])
 @pytest.mark.parametrize("masked", [False, True])
 def test_cached_paths_reuse_cache_across_rows(rows, cols, masked, key):
-    """More rows than resident blocks/clusters: each block (or cluster) loops over several rows,
-    refilling its shared-memory cache (asynchronously when unmasked) after the previous row's
-    output pass; forward and backward, every row checked."""
+    """More rows than resident blocks/clusters. The backward, the masked forward and the unmasked
+    forward of long rows (32768+ columns: persistent grid) loop each block or cluster over several
+    rows, refilling its shared-memory cache (asynchronously when unmasked) after the previous
+    row's output pass; the unmasked forward at 8192 columns launches one block per row (thousands
+    of blocks). Forward and backward, every row checked."""
     kx, kw, km = jax.random.split(key, 3)
     x = normal(kx, (rows, cols), jnp.float32, scale=3.0)
     w = normal(kw, (rows, cols), jnp.float32)
@@ -222,14 +224,18 @@ def test_cached_paths_reuse_cache_across_rows(rows, cols, masked, key):
 
 
 @gpu_only
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-@pytest.mark.parametrize("rows,cols", [(5000, 1028), (3000, 4096), (2000, 8192), (600, 32772)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64])
+@pytest.mark.parametrize("rows,cols", [(5000, 1028), (3000, 4096), (2000, 8192), (1500, 32772)])
 @pytest.mark.parametrize("masked", [False, True])
 def test_cached_forward_refill_across_rows(dtype, rows, cols, masked, key):
-    """More rows than resident blocks/clusters in every dtype: unmasked rows of 16-byte packs run
-    the unmaskable kernel, which requests each block's next row while writing the current one
-    (odd packs a thread at 1028 columns, a short last cluster slice at 32772); masked rows the
-    maskable kernel. Every row checked."""
+    """Thousands of rows in every dtype. Unmasked 16-bit/float32 rows of up to one block's cache
+    budget (1028-8192 columns) run the unmaskable kernel with one block per row (a grid of
+    thousands of blocks; odd packs a thread at 1028 columns); at 32772 columns (a cluster, short
+    last slice) its persistent grid, each cluster requesting its next row while writing the
+    current one (1500 rows: several rows a cluster). float64 unmasked rows take the maskable
+    kernel's persistent grid with the same refill; masked rows the maskable kernel without it.
+    Every row checked."""
+    skip_f64_without_x64(dtype)
     kx, km = jax.random.split(key)
     x = normal(kx, (rows, cols), dtype, scale=3.0)
     where = jax.random.bernoulli(km, 0.8, (rows, cols)) if masked else None
@@ -242,10 +248,43 @@ def test_cached_forward_refill_across_rows(dtype, rows, cols, masked, key):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("cols", [4, 8, 16, 32, 64, 128, 256, 512, 1024])
 def test_every_warp_shape_over_many_rows(dtype, cols, key):
-    """Every warp-group width with (at least) two packs a lane, with enough rows that each warp
-    loops over several row groups."""
+    """Every warp-group width with (at least) two packs a lane over many rows: the forward
+    launches one row group per warp (tens of thousands of blocks); the backward's grid is capped
+    at 32 blocks an SM, so each of its warps loops over several row groups."""
     rows = 600_000 if cols <= 64 else 40_000
-    x = normal(key, (rows, cols), dtype, scale=3.0)
+    kx, kw = jax.random.split(key)
+    x = normal(kx, (rows, cols), dtype, scale=3.0)
+    w = normal(kw, (rows, cols), dtype)
     for name in OPS:
-        assert_close(OPS[name][0](x), reference(name, x), dtype)
+        y, vjp = jax.vjp(OPS[name][0], x)
+        assert_close(y, reference(name, x), dtype)
+        # The backward from the y it was given (in the dtype), so only the backward is judged.
+        yr = y.astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+        g = w.astype(yr.dtype)
+        if name == "softmax":
+            want = yr * (g - jnp.sum(yr * g, axis=-1, keepdims=True))
+        else:
+            want = g - jnp.exp(yr) * jnp.sum(g, axis=-1, keepdims=True)
+        assert_close(vjp(w)[0], want, dtype, **({"atol": 1e-5} if dtype == jnp.float32 else {}))
     assert ON_GPU
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("cols", [32, 128, 1024, 8192])
+def test_inf_and_nan_in_16_bit_packs(name, dtype, cols, key):
+    """16-bit rows take the packed paths (session 5): max over bf16x2/f16x2 pairs (HMNMX2.NAN),
+    exp as ex2.approx with the max folded into one FFMA, pairwise conversions. NaN must win the
+    packed max at every position of a pack, +inf/-inf must give jax.nn's NaN and zeros; warp
+    (32/128/1024 columns) and cached (8192) paths, rows at several positions in the grid."""
+    rows = 40
+    x = np.array(normal(key, (rows, cols), jnp.float32, scale=3.0))
+    for p in range(8):  # one special value at each position within a 16-byte pack
+        x[p, (9 * p) % cols] = np.nan
+        x[8 + p, (9 * p + 8) % cols] = np.inf
+        x[16 + p, p] = -np.inf
+    x[24, :] = -np.inf
+    x[25, ::3] = -np.inf
+    x[26, :] = 60.0  # large equal values: exp(0) everywhere, sum = cols
+    x = jnp.asarray(x, dtype)
+    assert_close(OPS[name][0](x), reference(name, x), dtype)

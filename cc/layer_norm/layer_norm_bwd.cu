@@ -3,6 +3,7 @@
 #include "layer_norm/layer_norm_cuda.h"
 #include "layer_norm/layer_norm_kernels.cuh"
 #include "layer_norm/layer_norm_launch.cuh"
+#include "layer_norm/layer_norm_lean_bwd.cuh"
 
 namespace jaxops::layer_norm {
 namespace {
@@ -117,7 +118,13 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
       // Float: accumulators in shared memory (registers: see backward_rows).
       constexpr bool kSmemAcc = sizeof(T) == 4;
       const size_t smem = kSmemAcc ? sizeof(A) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols) : 0;
-      return launch_slotted<T>(backward_rows<T, kPack, kRowPacks, kSmemAcc>, a, info, threads, smem, stream);
+      // 16-bit types: the lean kernel (session 5; accumulators in shared memory, <= 64 registers).
+      if constexpr (sizeof(T) == 2) {
+        const size_t acc_smem = sizeof(float) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols);
+        return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks>, a, info, threads, acc_smem, stream);
+      } else {
+        return launch_slotted<T>(backward_rows<T, kPack, kRowPacks, kSmemAcc>, a, info, threads, smem, stream);
+      }
     }
   }
   const int threads = block_threads(npacks, 2);

@@ -1,54 +1,116 @@
 // Forward launchers: picks the team / block / uncached kernel by row length and pack width.
+#include <cstdlib>
+#include <string>
+
 #include "layer_norm/layer_norm_cuda.h"
 #include "layer_norm/layer_norm_kernels.cuh"
 #include "layer_norm/layer_norm_launch.cuh"
+#include "layer_norm/layer_norm_lean.cuh"
+#include "layer_norm/layer_norm_lean_block.cuh"
 
 namespace jaxops::layer_norm {
 namespace {
 
 constexpr int kTeamThreads = 128;
+constexpr int64_t kMaxGridX = 2147483647;  // gridDim.x limit; the kernels' row loops cover the rest
 
-template <class T, int kPack, int kPacks, int kWidth, int kRows = 1>
-cudaError_t launch_team(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
-  auto kernel = forward_team<T, kPack, kPacks, kWidth, kRows>;
+// TEMPORARY (session 5, to be removed by the lead after the final GPU run): JAXOPS_EXPERIMENT
+// containing ln5_persist restores the persistent grid (resident blocks, each looping over many
+// rows) of the lean team and lean block forward kernels, for a same-run comparison.
+bool persistent_forward_grid() {
+  static const bool on = [] {
+    const char* e = std::getenv("JAXOPS_EXPERIMENT");
+    const std::string v = std::string(",") + (e ? e : "") + ",";
+    return v.find(",ln5_persist,") != std::string::npos;
+  }();
+  return on;
+}
+
+// Grid of a forward kernel handling `per_block` rows a block per loop iteration. Lean kernels:
+// one row group per block (grid = number of groups; the hardware refills block slots as blocks
+// retire: softmax measured 5-10 % faster than resident persistent blocks, session 5); older
+// kernels (and ln5_persist): at most the resident blocks, each looping over many rows.
+int64_t forward_grid(int64_t rows, int64_t per_block, bool persistent, int per_sm, const cuda::DeviceInfo& info) {
+  const int64_t groups = (rows + per_block - 1) / per_block;
+  const int64_t cap = persistent ? int64_t{info.sm_count} * per_sm : kMaxGridX;
+  return std::max<int64_t>(1, std::min(groups, cap));
+}
+
+template <class Kernel>
+cudaError_t launch_team_kernel(Kernel kernel, int kWidth, int kRows, bool persistent, const ForwardArgs& a,
+                               const cuda::DeviceInfo& info, cudaStream_t stream) {
   int per_sm = 1;
   if (cudaError_t err = prepare(kernel, kTeamThreads, 0, &per_sm); err != cudaSuccess) return err;
-  const int64_t teams = kTeamThreads / kWidth * kRows;  // rows per block per iteration
-  const int64_t grid = std::min<int64_t>((a.shape.rows + teams - 1) / teams, int64_t{info.sm_count} * per_sm);
+  const int64_t rows_per_block = kTeamThreads / kWidth * kRows;
+  const int64_t grid = forward_grid(a.shape.rows, rows_per_block, persistent, per_sm, info);
   kernel<<<static_cast<unsigned>(grid), kTeamThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
+// Whether the lean kernels (session 5) take these rows: 16-byte packs of float / 16-bit types
+// and one parameter group. double, scalar packs and per-example parameters (vmap: groups > 1)
+// keep forward_team / forward_block.
+template <class T, int kPack>
+bool lean_forward(const ForwardArgs& a) {
+  if constexpr (sizeof(T) <= 4 && kPack * sizeof(T) == 16) return a.shape.groups == 1;
+  else return false;
+}
+
+// Lean kernels exist only for 16-byte packs of float / 16-bit types: instantiated only there.
+template <class T, int kPack>
+constexpr bool kLeanType = sizeof(T) <= 4 && kPack * sizeof(T) == 16;
+
+template <class T, int kPack, int kPacks, int kWidth, int kRows, bool kLean>
+cudaError_t launch_team(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
+  if constexpr (kLean)
+    return launch_team_kernel(forward_lean<T, kPack, kPacks, kWidth, kRows>, kWidth, kRows,
+                              persistent_forward_grid(), a, info, stream);
+  else
+    return launch_team_kernel(forward_team<T, kPack, kPacks, kWidth, kRows>, kWidth, kRows, true, a, info, stream);
+}
+
 // Rows of npacks <= 32 packs: one pack per lane, kWidth = next power of two, kRows rows a team.
-template <class T, int kPack, int kRows>
+template <class T, int kPack, int kRows, bool kLean>
 cudaError_t launch_narrow_rows(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream,
                                int width) {
   switch (width) {
-    case 1: return launch_team<T, kPack, 1, 1, kRows>(a, info, stream);
-    case 2: return launch_team<T, kPack, 1, 2, kRows>(a, info, stream);
-    case 4: return launch_team<T, kPack, 1, 4, kRows>(a, info, stream);
-    case 8: return launch_team<T, kPack, 1, 8, kRows>(a, info, stream);
-    case 16: return launch_team<T, kPack, 1, 16, kRows>(a, info, stream);
-    default: return launch_team<T, kPack, 1, 32, kRows>(a, info, stream);
+    case 1: return launch_team<T, kPack, 1, 1, kRows, kLean>(a, info, stream);
+    case 2: return launch_team<T, kPack, 1, 2, kRows, kLean>(a, info, stream);
+    case 4: return launch_team<T, kPack, 1, 4, kRows, kLean>(a, info, stream);
+    case 8: return launch_team<T, kPack, 1, 8, kRows, kLean>(a, info, stream);
+    case 16: return launch_team<T, kPack, 1, 16, kRows, kLean>(a, info, stream);
+    default: return launch_team<T, kPack, 1, 32, kRows, kLean>(a, info, stream);
   }
 }
 
 template <class T, int kPack>
 cudaError_t launch_narrow(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream,
                           int width) {
-  // 16-bit types: two rows a team (H100, bfloat16 524288x128: 108 vs 113 us). float32 keeps one
-  // (two measured 5 % slower: 210 vs 200 us); float64 too (two spilled 40-60 bytes).
-  if constexpr (sizeof(T) == 2) return launch_narrow_rows<T, kPack, 2>(a, info, stream, width);
-  else return launch_narrow_rows<T, kPack, 1>(a, info, stream, width);
+  // Lean kernel: bfloat16 / float16 one row a team (40 registers, 12 blocks an SM), float two
+  // (H100, 524288x128, session 5: bf16 101.1 vs 101.6 us with two rows, f32 199.0 vs 200.6 with
+  // one). forward_team (session 4): 16-bit two rows a team (108 vs 113 us with one), float and
+  // double one (float two measured 5 % slower; double two spilled 40-60 bytes).
+  if constexpr (kLeanType<T, kPack>) {
+    if (lean_forward<T, kPack>(a)) return launch_narrow_rows<T, kPack, sizeof(T) == 2 ? 1 : 2, true>(a, info, stream, width);
+  }
+  return launch_narrow_rows<T, kPack, sizeof(T) == 2 ? 2 : 1, false>(a, info, stream, width);
+}
+
+template <class T, int kPack, int kPacks>
+cudaError_t launch_wide_team(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
+  if constexpr (kLeanType<T, kPack>) {
+    if (lean_forward<T, kPack>(a)) return launch_team<T, kPack, kPacks, 32, 1, true>(a, info, stream);
+  }
+  return launch_team<T, kPack, kPacks, 32, 1, false>(a, info, stream);
 }
 
 // Full-warp teams with several 16-byte packs per lane (at most 32 elements per lane).
 template <class T, int kPack>
 cudaError_t launch_wide(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream, int packs) {
   if constexpr (kPack > 1) {
-    if (packs <= 2) return launch_team<T, kPack, 2, 32>(a, info, stream);
-    if (packs <= 4 && 4 * kPack <= 32) return launch_team<T, kPack, 4, 32>(a, info, stream);
-    if constexpr (8 * kPack <= 32) return launch_team<T, kPack, 8, 32>(a, info, stream);
+    if (packs <= 2) return launch_wide_team<T, kPack, 2>(a, info, stream);
+    if (packs <= 4 && 4 * kPack <= 32) return launch_wide_team<T, kPack, 4>(a, info, stream);
+    if constexpr (8 * kPack <= 32) return launch_wide_team<T, kPack, 8>(a, info, stream);
   }
   return cudaErrorInvalidValue;  // unreachable: the caller checked the capacity
 }
@@ -65,9 +127,18 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
   const size_t smem = sizeof(T) * static_cast<size_t>(a.shape.cols);
   if (smem <= dynamic_smem_limit(info, 64 * sizeof(A))) {
     auto kernel = forward_block<T, kPack>;
+    bool persistent = true;
+    // Session 5: the lean block kernel (one row a block, grid = rows) for 16-byte packs of float /
+    // 16-bit types, one group.
+    if constexpr (kLeanType<T, kPack>) {
+      if (lean_forward<T, kPack>(a)) {
+        kernel = forward_block_lean<T, kPack>;
+        persistent = persistent_forward_grid();
+      }
+    }
     int per_sm = 1;
     if (cudaError_t err = prepare(kernel, threads, smem, &per_sm); err != cudaSuccess) return err;
-    const int64_t grid = std::min<int64_t>(a.shape.rows, int64_t{info.sm_count} * per_sm);
+    const int64_t grid = forward_grid(a.shape.rows, 1, persistent, per_sm, info);
     kernel<<<static_cast<unsigned>(grid), threads, smem, stream>>>(a);
     return cudaGetLastError();
   }

@@ -72,6 +72,28 @@ __device__ __forceinline__ typename Op::State block_merge(typename Op::State s) 
   return s;
 }
 
+// Lanes that share one output in the block folds below: min(threads / outputs, 32). Both are
+// powers of two, so either every warp holds 32 / G whole outputs (G < 32) or one (G == 32).
+__device__ __forceinline__ int fold_lanes(int outputs, int threads) {
+  const int g = threads / outputs;
+  return g < 32 ? g : 32;
+}
+
+// One-barrier replacement of a log2(rows)-level shared-memory tree: smem holds `rows` x
+// `outputs` states ([row][output]); output `out` is folded by G lanes (lane g takes rows g,
+// g + G, ... in order), then an xor-shuffle tree over the G lanes. Fixed order: deterministic.
+// Warp-uniform by fold_lanes (an inactive warp has every lane's out >= outputs). Valid in g == 0.
+template <class Op>
+__device__ __forceinline__ typename Op::State fold_rows(const typename Op::State* smem, int outputs, int rows,
+                                                        int out, int g, int G) {
+  auto a = Op::identity();
+  if (out < outputs) {
+    for (int k = g; k < rows; k += G) a = Op::merge(a, smem[k * outputs + out]);
+    for (int offset = G / 2; offset > 0; offset /= 2) a = Op::merge(a, shfl_xor_state(a, offset));
+  }
+  return a;
+}
+
 // Writes a finished result (or, with `ws`, the partial state) for output `at`.
 template <class Op, class T>
 __device__ __forceinline__ void emit(void* y, typename Op::State* ws, int64_t at,
@@ -233,7 +255,8 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P>(256))
 }
 
 // inner == 1: block b = row * splits + split reduces x[row, split*chunk : (split+1)*chunk].
-// With ws it writes the partial state ws[b]; otherwise (splits == 1) the finished y[row].
+// With ws it writes the partial state ws[b] (merged by merge_kernel); otherwise (splits == 1)
+// the finished y[row].
 template <class Op, class T, int P>
 __global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, P>(max_row_block_threads<T>()))
     row_block_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t rows, int64_t n,
@@ -251,7 +274,8 @@ __global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, 
 
 // inner > 1. Block (TX, TY); block b = (o * splits + split) * tiles + tile covers columns
 // [tile*TX*P, ...) of rows [split*chunk, ...) of slab o. Thread (tx, ty) keeps P column states
-// over rows ty, ty + TY, ...; the TY states per column are merged by a shared-memory tree.
+// over rows ty, ty + TY, ...; the TY states per column are folded through shared memory.
+// With ws (splits > 1) it writes partial states ws[o, split, c], merged by merge_kernel.
 template <class Op, class T, int P>
 __global__ void __launch_bounds__(256, min_blocks<Op, T, P>(256))
     column_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t outer, int64_t n,
@@ -298,30 +322,24 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P>(256))
         for (int j = 0; j < P; ++j) Op::add(s[j], to_acc(pk.v[j]), r);
       }
     }
+    // The TY states of each of the O = TX * P columns: one barrier, then G lanes per column
+    // (fold_rows) instead of a log2(TY)-level tree with a barrier per level.
+    const int O = TX * P, t = ty * TX + tx, G = fold_lanes(O, TX * TY), out = t / G, g = t % G;
 #pragma unroll
-    for (int j = 0; j < P; ++j) smem[(ty * TX + tx) * P + j] = s[j];
+    for (int j = 0; j < P; ++j) smem[ty * O + tx * P + j] = s[j];
     __syncthreads();
-    for (int half = TY / 2; half > 0; half /= 2) {
-      if (ty < half) {
-#pragma unroll
-        for (int j = 0; j < P; ++j) {
-          S& a = smem[(ty * TX + tx) * P + j];
-          a = Op::merge(a, smem[((ty + half) * TX + tx) * P + j]);
-        }
-      }
-      __syncthreads();
-    }
-    if (ty == 0 && col < inner) {
-#pragma unroll
-      for (int j = 0; j < P; ++j)
-        emit<Op, T>(y, ws, (o * splits + split) * inner + col + j, smem[tx * P + j], n);
-    }
+    const S r = fold_rows<Op>(smem, O, TY, out, g, G);
+    const int64_t c = tile * O + out;  // this lane's column when g == 0 and out < O
+    if (g == 0 && out < O && c < inner) emit<Op, T>(y, ws, (o * splits + split) * inner + c, r, n);
     __syncthreads();  // smem is rewritten by the next grid-stride iteration
   }
 }
 
 // Merges ws[o, 0..splits, i] into y[o, i] in a fixed order: thread (tx, ty) folds splits
-// ty, ty + TY, ... of column tile*TX + tx, then a shared-memory tree over ty.
+// ty, ty + TY, ... of column tile*TX + tx, then fold_rows over ty. The second kernel of every
+// split launch: a fused last-block merge (session 5: arrival counters, atomicInc,
+// __threadfence) measured 1-4 µs slower on columns and equal on rows on the H100, and its
+// shared counters would be unsafe for concurrent launches on two streams, so it was removed.
 template <class Op, class T>
 __global__ void merge_kernel(const typename Op::State* __restrict__ ws, void* y, int64_t outer,
                              int64_t splits, int64_t inner, int64_t tiles, int64_t count) {
@@ -346,11 +364,10 @@ __global__ void merge_kernel(const typename Op::State* __restrict__ ws, void* y,
     }
     smem[ty * TX + tx] = s;
     __syncthreads();
-    for (int half = TY / 2; half > 0; half /= 2) {
-      if (ty < half) smem[ty * TX + tx] = Op::merge(smem[ty * TX + tx], smem[(ty + half) * TX + tx]);
-      __syncthreads();
-    }
-    if (ty == 0 && col < inner) emit<Op, T>(y, nullptr, o * inner + col, smem[tx], count);
+    const int t = ty * TX + tx, G = fold_lanes(TX, TX * TY), out = t / G;
+    const S r = fold_rows<Op>(smem, TX, TY, out, t % G, G);
+    const int64_t c = (b % tiles) * TX + out;
+    if (t % G == 0 && out < TX && c < inner) emit<Op, T>(y, nullptr, o * inner + c, r, count);
     __syncthreads();
   }
 }

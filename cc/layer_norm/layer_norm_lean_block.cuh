@@ -1,0 +1,114 @@
+// Session 5: the lean block-per-row forward (`forward_block_lean`) for float / bfloat16 / float16
+// rows in 16-byte packs with one parameter group (2048-~100K columns, row cached in shared
+// memory). Same structure as forward_block (loads of 4 packs ahead, row in dynamic shared memory,
+// three passes), with the forward_lean diet: 1/cols once per kernel and rsqrtf (no IEEE division
+// or sqrt per row), one-instruction bf16 conversions and packed F2FP stores (unpack_floats /
+// pack_floats), y = fma(fma(x - shift, rstd, -mean_rel * rstd), s, b), 32-bit pack indices and no
+// 64-bit `row / rows_per_group` per pack for the scale / bias loads (groups == 1), and a block sum
+// with a lane tree instead of a serial loop over the warps.
+#pragma once
+#include "layer_norm/layer_norm_lean.cuh"
+#include "layer_norm/layer_norm_lean_bwd.cuh"
+
+namespace jaxops::layer_norm {
+
+template <class T, int kPack, bool kRms>
+__device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, float2* scratch) {
+  constexpr int kLoadChunk = 4, kWriteChunk = sizeof(T) == 4 ? 2 : 1;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* cache = reinterpret_cast<T*>(smem_raw);
+  const Shape& s = a.shape;
+  const int npacks = static_cast<int>(s.cols / kPack);  // (shared memory bounds cols)
+  const float inv_cols = 1.0f / static_cast<float>(s.cols);
+  const float eps = static_cast<float>(s.epsilon);
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  const T* scale = static_cast<const T*>(a.scale);
+  const T* bias = static_cast<const T*>(a.bias);
+  for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
+    const T* xr = x + row * s.cols;
+    const float shift = kRms ? 0.0f : to_acc(xr[0]);
+    float sum = 0.0f, sq = 0.0f, unused = 0.0f;
+    for (int p0 = threadIdx.x; p0 < npacks; p0 += kLoadChunk * blockDim.x) {
+      Pack<T, kPack> xp[kLoadChunk];
+#pragma unroll
+      for (int k = 0; k < kLoadChunk; ++k) {
+        const int p = p0 + k * blockDim.x;
+        if (p < npacks) xp[k] = load_pack<T, kPack>(xr + p * kPack);
+      }
+#pragma unroll
+      for (int k = 0; k < kLoadChunk; ++k) {
+        const int p = p0 + k * blockDim.x;
+        if (p < npacks) {
+          store_pack(cache + p * kPack, xp[k]);
+          float f[kPack];
+          unpack_floats<T, kPack>(xp[k], f);
+#pragma unroll
+          for (int e = 0; e < kPack; ++e) {
+            if constexpr (kRms) sq = fmaf(f[e], f[e], sq);
+            else sum += f[e] - shift;
+          }
+        }
+      }
+    }
+    float mean_rel = 0.0f;
+    if constexpr (!kRms) {
+      block_sum2_lean(sum, unused, scratch);
+      mean_rel = sum * inv_cols;
+      for (int p = threadIdx.x; p < npacks; p += blockDim.x) {
+        float f[kPack];
+        unpack_floats<T, kPack>(load_pack<T, kPack>(cache + p * kPack), f);
+#pragma unroll
+        for (int e = 0; e < kPack; ++e) {
+          const float d = (f[e] - shift) - mean_rel;
+          sq = fmaf(d, d, sq);
+        }
+      }
+    }
+    block_sum2_lean(sq, unused, scratch);
+    const float rstd = rsqrtf(sq * inv_cols + eps);
+    const float c = kRms ? 0.0f : -mean_rel * rstd;
+    T* yr = y + row * s.cols;
+    for (int p0 = threadIdx.x; p0 < npacks; p0 += kWriteChunk * blockDim.x) {
+      Pack<T, kPack> sp[kWriteChunk], bp[kWriteChunk];
+#pragma unroll
+      for (int k = 0; k < kWriteChunk; ++k) {
+        const int p = p0 + k * blockDim.x;
+        if (p < npacks) {
+          sp[k] = load_pack<T, kPack>(scale + p * kPack);
+          if constexpr (!kRms) bp[k] = load_pack<T, kPack>(bias + p * kPack);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kWriteChunk; ++k) {
+        const int p = p0 + k * blockDim.x;
+        if (p < npacks) {
+          float f[kPack], sf[kPack], bf[kPack], out[kPack];
+          unpack_floats<T, kPack>(load_pack<T, kPack>(cache + p * kPack), f);
+          unpack_floats<T, kPack>(sp[k], sf);
+          if constexpr (!kRms) unpack_floats<T, kPack>(bp[k], bf);
+#pragma unroll
+          for (int e = 0; e < kPack; ++e) {
+            if constexpr (kRms) out[e] = (f[e] * rstd) * sf[e];
+            else out[e] = fmaf(fmaf(f[e] - shift, rstd, c), sf[e], bf[e]);
+          }
+          store_pack(yr + p * kPack, pack_floats<T, kPack>(out));
+        }
+      }
+    }
+    if (threadIdx.x == 0) {
+      if (!kRms && a.mean) static_cast<float*>(a.mean)[row] = shift + mean_rel;
+      static_cast<float*>(a.rstd)[row] = rstd;
+    }
+  }
+}
+
+template <class T, int kPack>
+__global__ void __launch_bounds__(1024) forward_block_lean(ForwardArgs a) {
+  static_assert(sizeof(T) <= 4 && kPack * sizeof(T) == 16, "16-byte packs of float / 16-bit types");
+  __shared__ float2 scratch[32];  // (one array for both bodies: 256 bytes, as forward_block)
+  if (a.shape.rms) forward_block_lean_body<T, kPack, true>(a, scratch);
+  else forward_block_lean_body<T, kPack, false>(a, scratch);
+}
+
+}  // namespace jaxops::layer_norm

@@ -1,0 +1,183 @@
+// Session 5: the lean register-row backward (`backward_rows_lean`) for bfloat16 / float16 rows of
+// 2048-8192 columns (8-element packs, kPacks a thread, one block per row, one slot of rows per
+// block). Rewritten from backward_rows<bf16,8,2,0> (99 registers, 25 % occupancy, ~40 issued
+// thread-instructions per element, 0.5 issues per cycle, DRAM 56-61 %):
+//  - the dscale / dbias column sums live in dynamic shared memory, [nacc][cols] floats, each
+//    thread touching only its own columns (16-byte chunks, threads adjacent: conflict free, no
+//    barrier), as the float path does: the 32 accumulator registers are gone;
+//  - 1/cols once per kernel; per row the sums are scaled by multiplications; sum(g * xhat) is
+//    rstd * sum(g * (x - mean)), so the first pass needs no xhat;
+//  - bfloat16 words convert with one SHL / LOP3 per element (unpack_floats), dx packs two at a
+//    time (F2FP); the scale packs are held packed in registers for the whole slot (8 registers);
+//  - dx = rstd * (g - mg - xhat * mgx) = fma(g, rstd, fma(xhat, -rstd * mgx, -rstd * mg)):
+//    2 FFMA an element (g = dy * scale still rounded once, as in the row sums);
+//  - rms_norm is its own instantiation (kRms): no mean, no mean(g), no dbias accumulator.
+// Column sums keep the fixed per-slot order (rows of the slot in order, then reduce_slots), so
+// dscale / dbias stay bit-reproducible.
+#pragma once
+#include "layer_norm/layer_norm_kernels.cuh"
+#include "layer_norm/layer_norm_lean.cuh"
+
+namespace jaxops::layer_norm {
+
+// 64 registers at most: 2 blocks of 512 threads (8192 columns) or 4 of 256 (4096) per SM.
+constexpr int kLeanRowsMaxThreads = 512;
+
+// Block-wide sums of two floats, every thread gets both, in a fixed order (deterministic): warp
+// trees, then every warp adds the per-warp partials with the same lane tree. block_sum2's serial
+// loop over the warps cost ~80 instructions a row per thread (5 per element at 16 a thread).
+// scratch: 32 float2. Every thread of the block must call it.
+__device__ __forceinline__ void block_sum2_lean(float& a, float& b, float2* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
+  a = cuda::warp_reduce<cuda::SumOp>(a);
+  b = cuda::warp_reduce<cuda::SumOp>(b);
+  __syncthreads();  // the previous call's readers are done with scratch
+  if (lane == 0) scratch[warp] = make_float2(a, b);
+  __syncthreads();
+  const float2 v = lane < nwarps ? scratch[lane] : make_float2(0.0f, 0.0f);
+  a = cuda::warp_reduce<cuda::SumOp>(v.x);
+  b = cuda::warp_reduce<cuda::SumOp>(v.y);
+}
+
+template <class T, int kPack, int kPacks, bool kRms>
+__device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, int64_t used, float2* scratch) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* sacc = reinterpret_cast<float*>(smem_raw);  // [kNacc][cols], thread-owned columns
+  const Shape& s = a.shape;
+  const int cols = static_cast<int>(s.cols);  // <= 8192 here
+  const int npacks = cols / kPack;
+  const float inv_cols = 1.0f / static_cast<float>(cols);
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  T* dx = static_cast<T*>(a.dx);
+  const float* means = static_cast<const float*>(a.mean);
+  const float* rstds = static_cast<const float*>(a.rstd);
+  for (int64_t slot = blockIdx.x; slot < s.groups * used; slot += gridDim.x) {
+    const int64_t g = slot / used, j = slot % used;  // (once per slot)
+    int64_t begin, end;
+    slot_rows(s, g, j, used, &begin, &end);
+    const T* scale = static_cast<const T*>(a.scale) + g * s.cols;
+    Pack<T, kPack> sp[kPacks];
+    const Pack<float, 4> zero{};
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = threadIdx.x + k * blockDim.x;
+      if (p < npacks) {
+        sp[k] = load_pack<T, kPack>(scale + p * kPack);
+#pragma unroll
+        for (int c = 0; c < kPack; c += 4) {
+          store_pack(sacc + p * kPack + c, zero);
+          if constexpr (!kRms) store_pack(sacc + cols + p * kPack + c, zero);
+        }
+      }
+    }
+    Pack<T, kPack> xp[kPacks], dp[kPacks];
+    float mean = 0.0f, rstd = 0.0f;
+    if (begin < end) {
+      load_row_packs<T, kPack, kPacks>(x, dy, begin, s.cols, npacks, xp, dp);
+      if constexpr (!kRms) mean = means[begin];
+      rstd = rstds[begin];
+    }
+    for (int64_t row = begin; row < end; ++row) {  // block-uniform: the barriers below are safe
+      // Pass 1: sum(g) and sum(g * (x - mean)), g = dy * scale rounded once.
+      float sum_g = 0.0f, sum_gxm = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int p = threadIdx.x + k * blockDim.x;
+        if (p < npacks) {
+          float xf[kPack], df[kPack], sf[kPack];
+          unpack_floats<T, kPack>(xp[k], xf);
+          unpack_floats<T, kPack>(dp[k], df);
+          unpack_floats<T, kPack>(sp[k], sf);
+#pragma unroll
+          for (int e = 0; e < kPack; ++e) {
+            const float gv = mul_rn(df[e], sf[e]);
+            if constexpr (!kRms) sum_g += gv;
+            sum_gxm = fmaf(gv, kRms ? xf[e] : xf[e] - mean, sum_gxm);
+          }
+        }
+      }
+      block_sum2_lean(sum_g, sum_gxm, scratch);
+      const float mgx = sum_gxm * rstd * inv_cols;  // mean(g * xhat)
+      const float c1 = -rstd * mgx;
+      const float c0 = kRms ? 0.0f : -rstd * (sum_g * inv_cols);  // -rstd * mean(g)
+      // Keep x and dy live across the barrier only packed (the converted floats would be 32 more).
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        opaque_regs(xp[k]);
+        opaque_regs(dp[k]);
+      }
+      // Pass 2: dx, and the column sums dy * xhat (and dy) of the thread's own columns.
+      T* dxr = dx + row * s.cols;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int p = threadIdx.x + k * blockDim.x;
+        if (p < npacks) {
+          float xf[kPack], df[kPack], sf[kPack], out[kPack], as[kPack], ab[kPack];
+          unpack_floats<T, kPack>(xp[k], xf);
+          unpack_floats<T, kPack>(dp[k], df);
+          unpack_floats<T, kPack>(sp[k], sf);
+#pragma unroll
+          for (int c = 0; c < kPack; c += 4) {
+            const auto cs = load_pack<float, 4>(sacc + p * kPack + c);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) as[c + i] = cs.v[i];
+            if constexpr (!kRms) {
+              const auto cb = load_pack<float, 4>(sacc + cols + p * kPack + c);
+#pragma unroll
+              for (int i = 0; i < 4; ++i) ab[c + i] = cb.v[i];
+            }
+          }
+#pragma unroll
+          for (int e = 0; e < kPack; ++e) {
+            const float xhat = kRms ? xf[e] * rstd : (xf[e] - mean) * rstd;
+            const float gv = mul_rn(df[e], sf[e]);
+            out[e] = fmaf(gv, rstd, fmaf(xhat, c1, c0));
+            as[e] = fmaf(df[e], xhat, as[e]);
+            if constexpr (!kRms) ab[e] += df[e];
+          }
+          store_pack(dxr + p * kPack, pack_floats<T, kPack>(out));
+#pragma unroll
+          for (int c = 0; c < kPack; c += 4) {
+            Pack<float, 4> cs, cb;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              cs.v[i] = as[c + i];
+              cb.v[i] = ab[c + i];
+            }
+            store_pack(sacc + p * kPack + c, cs);
+            if constexpr (!kRms) store_pack(sacc + cols + p * kPack + c, cb);
+          }
+        }
+      }
+      if (row + 1 < end) {
+        load_row_packs<T, kPack, kPacks>(x, dy, row + 1, s.cols, npacks, xp, dp);
+        if constexpr (!kRms) mean = means[row + 1];
+        rstd = rstds[row + 1];
+      }
+    }
+    // Each thread owns its columns for the whole slot: copy them to the slot's partial row.
+    float* out = slot_ptr<T>(a, g, j);
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = threadIdx.x + k * blockDim.x;
+      if (p < npacks) {
+#pragma unroll
+        for (int c = 0; c < kPack; c += 4) {
+          store_pack(out + p * kPack + c, load_pack<float, 4>(sacc + p * kPack + c));
+          if constexpr (!kRms) store_pack(out + cols + p * kPack + c, load_pack<float, 4>(sacc + cols + p * kPack + c));
+        }
+      }
+    }
+  }
+}
+
+template <class T, int kPack, int kPacks>
+__global__ void __launch_bounds__(kLeanRowsMaxThreads, 2) backward_rows_lean(BackwardArgs a, int64_t used) {
+  static_assert(sizeof(T) == 2 && kPack == 8, "8-element packs of bfloat16 / float16");
+  __shared__ float2 scratch[32];  // (one array for both bodies)
+  if (a.shape.rms) backward_rows_lean_body<T, kPack, kPacks, true>(a, used, scratch);
+  else backward_rows_lean_body<T, kPack, kPacks, false>(a, used, scratch);
+}
+
+}  // namespace jaxops::layer_norm
