@@ -445,8 +445,7 @@ def test_forward_grid_partial_blocks_gpu(key, dtype, rows, cols):
     # Non-persistent forward grids (session 5: grid = ceil(rows / rows a block), one row group a
     # block): row counts that leave the last block partly empty (lean team blocks hold 8-256 rows:
     # 16-bit one row a team, float two) or give fewer blocks than SMs, for the narrow (8, 128),
-    # wide (1024) and block (1032, 4096) lean kernels. Under JAXOPS_EXPERIMENT=ln5_persist the
-    # same rows run the persistent grid (blocks looping over several row groups).
+    # wide (1024) and block (1032, 4096) lean kernels.
     k1, k2 = jax.random.split(key)
     x = normal(k1, (rows, cols), dtype, scale=2.0) + jnp.asarray(1.5, dtype)
     scale, bias = params(k2, cols, dtype)
