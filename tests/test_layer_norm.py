@@ -381,6 +381,26 @@ def test_misaligned_rows_fall_back_to_scalar_packs(key):
         close(jaxops.rms_norm(x, scale), rms_ref(x, scale), jnp.bfloat16)
 
 
+def _check_lean_forward(key, dtype, rows, cols, grad_rows, vmap_rows):
+    """The lean forward kernels' checks: both ops against the references, y against the float64
+    formula, gradients through the saved mean / rstd, and per-example parameters under vmap (they
+    take the older kernels)."""
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (rows, cols), dtype, scale=2.0) + jnp.asarray(3.0, dtype)
+    scale, bias = params(k2, cols, dtype)
+    close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
+    close(jaxops.rms_norm(x, scale), rms_ref(x, scale), dtype)
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
+    exact = (xf - xf.mean(-1, keepdims=True)) / np.sqrt(xf.var(-1, keepdims=True) + 1e-5)
+    y = np.asarray(jaxops.layer_norm(x, jnp.ones_like(scale), jnp.zeros_like(bias)).astype(jnp.float32))
+    np.testing.assert_allclose(y, exact, rtol=2 * tol(dtype)["rtol"], atol=2 * tol(dtype)["rtol"] * 4)
+    _check_both_grads(x[:grad_rows], scale, bias, dtype)
+    xs = x[:3 * vmap_rows].reshape(3, vmap_rows, cols)
+    s3 = jnp.stack([scale, bias, scale])
+    b3 = jnp.stack([bias, scale, bias])
+    close(jax.vmap(jaxops.layer_norm)(xs, s3, b3), jax.vmap(ln_ref)(xs, s3, b3), dtype)
+
+
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("cols", [8, 16, 24, 40, 72, 128, 136, 264, 520, 776, 1024])
@@ -392,22 +412,7 @@ def test_lean_team_forward_gpu(key, dtype, cols):
     # off zero (the row shift comes from lane 0 by a shuffle), and the saved mean / rstd, checked
     # through the residuals against the float64 formula. Per-example parameters (vmap, groups > 1)
     # take forward_team: checked too.
-    rows = 3001
-    k1, k2 = jax.random.split(key)
-    x = normal(k1, (rows, cols), dtype, scale=2.0) + jnp.asarray(3.0, dtype)
-    scale, bias = params(k2, cols, dtype)
-    close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
-    close(jaxops.rms_norm(x, scale), rms_ref(x, scale), dtype)
-    xf = np.asarray(x.astype(jnp.float32), np.float64)
-    _check_both_grads(x, scale, bias, dtype)  # uses the saved mean / rstd of every row
-    exact = (xf - xf.mean(-1, keepdims=True)) / np.sqrt(xf.var(-1, keepdims=True) + 1e-5)
-    y = np.asarray(jaxops.layer_norm(x, jnp.ones_like(scale), jnp.zeros_like(bias)).astype(jnp.float32))
-    np.testing.assert_allclose(y, exact, rtol=2 * tol(dtype)["rtol"], atol=2 * tol(dtype)["rtol"] * 4)
-    xs = x[:60].reshape(3, 20, cols)
-    s3 = jnp.stack([scale, bias, scale])
-    b3 = jnp.stack([bias, scale, bias])
-    got = jax.vmap(jaxops.layer_norm)(xs, s3, b3)
-    close(got, jax.vmap(ln_ref)(xs, s3, b3), dtype)
+    _check_lean_forward(key, dtype, rows=3001, cols=cols, grad_rows=3001, vmap_rows=20)
 
 
 @gpu_only
@@ -416,25 +421,10 @@ def test_lean_team_forward_gpu(key, dtype, cols):
 def test_lean_block_forward_gpu(key, dtype, cols):
     # forward_block_lean (session 5): one block per row, row cached in shared memory, for 16-byte
     # packs with one parameter group. 1032 columns (float32 258 packs, 16-bit 129) and 2056 / 6152
-    # leave the last load chunk of 4 packs a thread partly past the row; 2500 rows exceed the grid
-    # at the wide rows (grid-stride loop); rows far from zero check the shift (first element) and
-    # the saved mean / rstd (through the gradients and the float64 formula). Per-example
-    # parameters (vmap, groups > 1) take forward_block: checked too.
-    rows = 2500
-    k1, k2 = jax.random.split(key)
-    x = normal(k1, (rows, cols), dtype, scale=2.0) + jnp.asarray(3.0, dtype)
-    scale, bias = params(k2, cols, dtype)
-    close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
-    close(jaxops.rms_norm(x, scale), rms_ref(x, scale), dtype)
-    xf = np.asarray(x.astype(jnp.float32), np.float64)
-    exact = (xf - xf.mean(-1, keepdims=True)) / np.sqrt(xf.var(-1, keepdims=True) + 1e-5)
-    y = np.asarray(jaxops.layer_norm(x, jnp.ones_like(scale), jnp.zeros_like(bias)).astype(jnp.float32))
-    np.testing.assert_allclose(y, exact, rtol=2 * tol(dtype)["rtol"], atol=2 * tol(dtype)["rtol"] * 4)
-    _check_both_grads(x[:600], scale, bias, dtype)
-    xs = x[:30].reshape(3, 10, cols)
-    s3 = jnp.stack([scale, bias, scale])
-    b3 = jnp.stack([bias, scale, bias])
-    close(jax.vmap(jaxops.layer_norm)(xs, s3, b3), jax.vmap(ln_ref)(xs, s3, b3), dtype)
+    # leave the last load chunk of 4 packs a thread partly past the row; rows far from zero check
+    # the shift (first element) and the saved mean / rstd (through the gradients and the float64
+    # formula). Per-example parameters (vmap, groups > 1) take forward_block: checked too.
+    _check_lean_forward(key, dtype, rows=2500, cols=cols, grad_rows=600, vmap_rows=10)
 
 
 @gpu_only
