@@ -76,6 +76,16 @@ __device__ __forceinline__ void opaque_regs(P& v) {
   }
 }
 
+// opaque_regs over every pack of a team's rows: the 16-bit forward kernels convert x again in
+// each pass instead of keeping the converted floats live across the reductions.
+template <class P, int kRows, int kPacks>
+__device__ __forceinline__ void opaque_rows(P (&xp)[kRows][kPacks]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) opaque_regs(xp[r][k]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward
 
@@ -205,12 +215,7 @@ __global__ void __launch_bounds__(128, forward_min_blocks<T>(kPack* kPacks * kRo
     }
     // 16-bit types: convert x again in each pass instead of keeping the converted floats (twice
     // the registers) live across the reductions; needed to fit 40-48 registers without spills.
-    if constexpr (sizeof(T) == 2) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-#pragma unroll
-        for (int k = 0; k < kPacks; ++k) opaque_regs(xp[r][k]);
-    }
+    if constexpr (sizeof(T) == 2) opaque_rows(xp);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const bool valid_row = base + r * teams + team < s.rows;
@@ -228,12 +233,7 @@ __global__ void __launch_bounds__(128, forward_min_blocks<T>(kPack* kPacks * kRo
       }
       rstd[r] = inv_sqrt(team_sum<kWidth>(sq) / A(s.cols) + A(s.epsilon));
     }
-    if constexpr (sizeof(T) == 2) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-#pragma unroll
-        for (int k = 0; k < kPacks; ++k) opaque_regs(xp[r][k]);
-    }
+    if constexpr (sizeof(T) == 2) opaque_rows(xp);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int64_t row = base + r * teams + team;

@@ -133,12 +133,7 @@ __device__ __forceinline__ void forward_lean_body(const ForwardArgs& a) {
         mean_rel[r] = team_sum<kWidth>(sum) * inv_cols;
       }
     }
-    if constexpr (!kKeep && sizeof(T) == 2) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-#pragma unroll
-        for (int k = 0; k < kPacks; ++k) opaque_regs(xp[r][k]);
-    }
+    if constexpr (!kKeep && sizeof(T) == 2) opaque_rows(xp);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       float sq = 0.0f;
@@ -169,12 +164,7 @@ __device__ __forceinline__ void forward_lean_body(const ForwardArgs& a) {
       }
       rstd[r] = rsqrtf(team_sum<kWidth>(sq) * inv_cols + eps);
     }
-    if constexpr (!kKeep && sizeof(T) == 2) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-#pragma unroll
-        for (int k = 0; k < kPacks; ++k) opaque_regs(xp[r][k]);
-    }
+    if constexpr (!kKeep && sizeof(T) == 2) opaque_rows(xp);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int64_t row = base + r * teams + team;
