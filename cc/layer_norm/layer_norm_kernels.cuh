@@ -76,14 +76,19 @@ __device__ __forceinline__ void opaque_regs(P& v) {
   }
 }
 
-// opaque_regs over every pack of a team's rows: the 16-bit forward kernels convert x again in
-// each pass instead of keeping the converted floats live across the reductions.
+// opaque_regs over every pack a thread holds of a row (opaque_packs) or of a team's rows
+// (opaque_rows): the 16-bit kernels convert x (and dy) again in each pass instead of keeping the
+// converted floats live across the reductions.
+template <class P, int kPacks>
+__device__ __forceinline__ void opaque_packs(P (&packs)[kPacks]) {
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) opaque_regs(packs[k]);
+}
+
 template <class P, int kRows, int kPacks>
 __device__ __forceinline__ void opaque_rows(P (&xp)[kRows][kPacks]) {
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) opaque_regs(xp[r][k]);
+  for (int r = 0; r < kRows; ++r) opaque_packs(xp[r]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -636,11 +641,8 @@ __global__ void __launch_bounds__(256, kMinBlocks) backward_warp(BackwardArgs a,
       // Keep x and dy live only in their storage type across the reductions: otherwise ptxas
       // keeps the float conversions of the first pass (bfloat16 at 1024 columns: 149 registers).
       // Also, the memory clobber makes the scale packs be re-read (an L1 hit), not kept.
-#pragma unroll
-      for (int k = 0; k < kPacks; ++k) {
-        opaque_regs(xp[k]);
-        opaque_regs(dp[k]);
-      }
+      opaque_packs(xp);
+      opaque_packs(dp);
       asm volatile("" ::: "memory");
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
@@ -850,11 +852,8 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
       block_sum2(sum_g, sum_gx, scratch);
       const A mg = s.rms ? A(0) : sum_g / A(s.cols), mgx = sum_gx / A(s.cols);
       // As in backward_warp: keep x and dy live across the barrier only in their storage type.
-#pragma unroll
-      for (int k = 0; k < kPacks; ++k) {
-        opaque_regs(xp[k]);
-        opaque_regs(dp[k]);
-      }
+      opaque_packs(xp);
+      opaque_packs(dp);
       T* dxr = dx + row * s.cols;
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {

@@ -102,11 +102,8 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
       const float c1 = -rstd * mgx;
       const float c0 = kRms ? 0.0f : -rstd * (sum_g * inv_cols);  // -rstd * mean(g)
       // Keep x and dy live across the barrier only packed (the converted floats would be 32 more).
-#pragma unroll
-      for (int k = 0; k < kPacks; ++k) {
-        opaque_regs(xp[k]);
-        opaque_regs(dp[k]);
-      }
+      opaque_packs(xp);
+      opaque_packs(dp);
       // Pass 2: dx, and the column sums dy * xhat (and dy) of the thread's own columns.
       T* dxr = dx + row * s.cols;
 #pragma unroll
