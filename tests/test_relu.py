@@ -150,3 +150,60 @@ def test_gpu_large_deterministic(key):
     np.testing.assert_array_equal(np.asarray(m1), np.asarray(m2))
     np.testing.assert_array_equal(np.asarray(m1), expected_mask(x))
     np.testing.assert_array_equal(np.asarray(y1.astype(jnp.float32)), np.asarray(jax.nn.relu(x).astype(jnp.float32)))
+
+
+# ---- element counts that are not whole 16-byte packs or mask words (session 6) ----
+# On the GPU a row is cut into chunks of 32*P elements (P = 16 bytes / itemsize: 4 float32,
+# 8 bfloat16/float16); whole 16-byte-aligned chunks take 16-byte packs, the rest (a row's partial
+# last chunk; every chunk of a vmapped row that does not start 16-byte aligned) the coalesced
+# element path with one ballot per mask word. These counts put the tail at every kind of place:
+# inside the first word (1, 31), one past a word (33), one past a pack (8k+1), mid-word (32k+17).
+ODD_COUNTS = [1, 31, 33, 8 * 4099 + 1, 32 * 3001 + 17]
+HALF_AND_SINGLE = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def _check_fwd_mask_bwd(x, w):
+    """y, the saved mask words and dx of jaxops.relu equal jax.nn.relu's y, (x > 0) bits and vjp."""
+    y, vjp_fn = jax.vjp(jaxops.relu, x)
+    y_ref, vjp_ref = jax.vjp(jax.nn.relu, x)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(y_ref.astype(jnp.float32)))
+    (mask,) = [l for l in jax.tree_util.tree_leaves(vjp_fn) if hasattr(l, "dtype")]
+    np.testing.assert_array_equal(np.asarray(mask).reshape(-1), expected_mask(x))
+    (dx,), (dx_ref,) = vjp_fn(w), vjp_ref(w)
+    assert dx.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(dx.astype(jnp.float32)), np.asarray(dx_ref.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_SINGLE)
+@pytest.mark.parametrize("n", ODD_COUNTS)
+def test_odd_counts(key, n, dtype):
+    kx, kw = jax.random.split(key)
+    _check_fwd_mask_bwd(with_specials(kx, (n,), dtype), npnormal(kw, (n,), dtype))
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", HALF_AND_SINGLE)
+def test_gpu_large_odd_count(key, dtype):
+    # > 2^24 elements, 32k+17: many grid-stride rounds of vector chunks, then the coalesced tail
+    n = (1 << 24) + 17
+    kx, kw = jax.random.split(key)
+    _check_fwd_mask_bwd(with_specials(kx, (n,), dtype), npnormal(kw, (n,), dtype))
+
+
+# Under vmap each example is a row of its own mask words. cols 1025 / 4099: most rows start
+# misaligned (row r at element r*cols), so whole rows take the coalesced path and rows with
+# r*cols % P == 0 the vector path; cols 264 = 8*33: every row aligned, partial last chunk per row.
+@pytest.mark.parametrize("dtype", HALF_AND_SINGLE)
+@pytest.mark.parametrize("shape", [(9, 1025), (5, 4099), (17, 264)])
+def test_vmap_rows_of_odd_length(key, shape, dtype):
+    kx, kw = jax.random.split(key)
+    x, w = with_specials(kx, shape, dtype), npnormal(kw, shape, dtype)
+    y, vjp_fn = jax.vjp(jax.vmap(jaxops.relu), x)
+    np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(jax.nn.relu(x).astype(jnp.float32)))
+    (mask,) = [l for l in jax.tree_util.tree_leaves(vjp_fn) if hasattr(l, "dtype")]
+    assert mask.shape == (shape[0], -(-shape[1] // 32))
+    np.testing.assert_array_equal(np.asarray(mask), np.stack([expected_mask(r) for r in x]))
+    (dx,) = vjp_fn(w)
+    (dx_ref,) = jax.vjp(jax.nn.relu, x)[1](w)
+    np.testing.assert_array_equal(np.asarray(dx.astype(jnp.float32)), np.asarray(dx_ref.astype(jnp.float32)))

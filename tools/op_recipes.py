@@ -101,9 +101,12 @@ def _batch_norm_cases(key, size):
 
 
 def _stats(x, axis=-1):
+    # On the host: XLA's GPU column reductions may add with atomics, so jnp's mean/var can differ
+    # in the last bits from process to process, and these are inputs that test_cuda_graphs
+    # compares bit for bit across two processes (seen: batch_norm_inference's scale gradient).
     axes = tuple(a for a in range(x.ndim) if a != axis % x.ndim)
-    xf = x.astype(jnp.float32)
-    return xf.mean(axes), xf.var(axes)
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
+    return jnp.asarray(xf.mean(axes), jnp.float32), jnp.asarray(xf.var(axes), jnp.float32)
 
 
 def _bn_apply(x, scale, bias, mean, var, axis=-1, epsilon=1e-5, residual=None, activation=None):

@@ -125,6 +125,8 @@ def run(size: str, reference: bool, save: str | None, only: list[str] | None) ->
                     rf = _grad_jitted(recipe.reference, case, recipe.diff_argnums)
                 for rep in (0, 1):
                     c = runs[rep][ci]
+                    for ai, arg in enumerate(jax.tree_util.tree_leaves(_arrays(c))):
+                        saved[f"{op}|{c.label}|run{rep}|input{ai}"] = _as_saved(arg)
                     out = jax.block_until_ready(f(*_arrays(c)))
                     for li, leaf in enumerate(jax.tree_util.tree_leaves(out)):
                         saved[f"{op}|{c.label}|run{rep}|out{li}"] = _as_saved(leaf)
