@@ -377,13 +377,28 @@ def test_empty():
                                        jnp.ones(2)).shape == (0, 2)
 
 
-def test_deterministic(key):
-    x, scale, bias, res = inputs(key, (16, 32, 32, 24), -1, jnp.float32, True)
-    f = jax.jit(jax.value_and_grad(lambda x: jnp.sum(jnp.sin(
-        jaxops.batch_norm(x, scale, bias, residual=res, activation="relu")[0]))))
-    a, b = f(x), f(x)
-    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
-    np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("inference", [False, True])
+def test_deterministic(key, dtype, inference):
+    # Bit-identical forward and gradients on every call: each call gets fresh copies of the inputs
+    # (new buffers, new addresses), so a plan or a summation order that depended on where XLA put
+    # the operands, or a race between blocks, would show up as a difference between calls.
+    x, scale, bias, res = inputs(key, (16, 32, 32, 24), -1, dtype, True)
+    mean, var = jnp.full((24,), 0.1), jnp.full((24,), 1.3)
+
+    def bn(x, scale, bias):
+        if inference:
+            return jaxops.batch_norm_inference(x, scale, bias, mean, var, residual=res, activation="relu")
+        return jaxops.batch_norm(x, scale, bias, residual=res, activation="relu")[0]
+
+    f = jax.jit(jax.value_and_grad(lambda x, s, b: jnp.sum(jnp.sin(bn(x, s, b).astype(jnp.float32))),
+                                   argnums=(0, 1, 2)))
+    first = jax.tree.leaves(f(x, scale, bias))
+    for _ in range(4):
+        again = jax.tree.leaves(f(jnp.array(x, copy=True), jnp.array(scale, copy=True),
+                                  jnp.array(bias, copy=True)))
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_bad_input():
@@ -442,6 +457,83 @@ def check_large_add_relu(key, shape, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_resnet_shape(key, dtype):
     check_large_add_relu(key, (16, 112, 112, 32), dtype)
+
+
+# Session 6 determinism check: the column reductions used to choose their tile (pack width, row
+# blocks) from the operands' 16-byte alignment, so the order of additions (and the statistics'
+# and gradient sums' last bits) depended on where XLA put x and dy. A misaligned operand cannot
+# be built from JAX, so the test hook JAXOPS_BN_ELEMENT_LOADS=1 (cc/batch_norm/bn_test_hooks.h)
+# forces every kernel's element-load path, and a subprocess with it must give the same bytes as
+# one without. Shapes: packed column reductions with many row blocks (f32 / f16 / bf16 P = 4,
+# f64 P = 2), a scalar one (C = 6 for 16-bit types, 3), the elementwise tails (odd R*C).
+_ALIGN_PROBE = r"""
+import sys
+import jax
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp
+import numpy as np
+import jaxops
+
+gpu = jax.default_backend() == "gpu"
+SHAPES = [(32, 28, 28, 64), (7, 33, 31, 24), (4001, 3)] if gpu else [(2, 5, 5, 8), (3, 7, 3)]
+out = {}
+for d, dtype in enumerate([jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64]):
+    for i, shape in enumerate(SHAPES):
+        k = jax.random.split(jax.random.PRNGKey(100 * d + i), 5)
+        c = shape[-1]
+        x = (2 * jax.random.normal(k[0], shape, jnp.float32) + 0.5).astype(dtype)
+        res = jax.random.normal(k[1], shape, jnp.float32).astype(dtype)
+        w = jax.random.normal(k[2], shape, jnp.float32)
+        scale = 1 + jax.random.normal(k[3], (c,), jnp.float32)
+        bias = jax.random.normal(k[4], (c,), jnp.float32)
+        mean, var = jnp.full((c,), 0.25), jnp.full((c,), 1.5)
+
+        def loss(x, s, b, r, train):
+            if train:
+                y, m, v = jaxops.batch_norm(x, s, b, residual=r, activation="relu")
+                return jnp.sum(y.astype(jnp.float32) * w) + jnp.sum(m * 1.5) + jnp.sum(v * 0.5), (y, m, v)
+            y = jaxops.batch_norm_inference(x, s, b, mean, var, residual=r, activation="relu")
+            return jnp.sum(y.astype(jnp.float32) * w), (y,)
+
+        for train in (True, False):
+            f = jax.jit(jax.value_and_grad(lambda *a: loss(*a, train), argnums=(0, 1, 2, 3), has_aux=True))
+            for j, leaf in enumerate(jax.tree.leaves(f(x, scale, bias, res))):
+                out[f"{jnp.dtype(dtype).name}_{i}_{int(train)}_{j}"] = np.atleast_1d(np.asarray(leaf)).view(np.uint8)
+np.savez(sys.argv[1], **out)
+"""
+
+
+def _align_probe(tmp_path, name, env):
+    import os
+    import subprocess
+    import sys
+
+    full = {k: v for k, v in os.environ.items() if k != "JAXOPS_BN_ELEMENT_LOADS"}
+    full.update(env)
+    path = tmp_path / f"{name}.npz"
+    # cwd: `python -c` puts the working directory first on sys.path; from the repository root
+    # the source jaxops/ would shadow the installed package.
+    subprocess.run([sys.executable, "-c", _ALIGN_PROBE, str(path)], env=full, cwd=tmp_path, check=True,
+                   timeout=600)
+    return dict(np.load(path))
+
+
+@gpu_only
+def test_gpu_results_independent_of_alignment(tmp_path):
+    base = _align_probe(tmp_path, "vector_loads", {})
+    got = _align_probe(tmp_path, "element_loads", {"JAXOPS_BN_ELEMENT_LOADS": "1"})
+    assert sorted(got) == sorted(base) and len(base) > 0
+    for k in base:
+        np.testing.assert_array_equal(got[k], base[k], err_msg=k)
+
+
+def test_align_probe_runs_on_cpu(tmp_path):
+    """The probe script itself (so the GPU test above cannot fail for a typo): CPU twin, one run."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("the GPU test runs it")
+    got = _align_probe(tmp_path, "cpu", {})
+    # 4 dtypes x 2 shapes x (training: loss, y, mean, var, 4 grads; inference: loss, y, 4 grads)
+    assert len(got) == 4 * 2 * (8 + 6) and all(v.size > 0 for v in got.values())
 
 
 # Register-coefficient elementwise path (bn_elementwise.cu fixed_grid): past 132*32 blocks of

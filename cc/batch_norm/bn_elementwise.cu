@@ -11,9 +11,11 @@
 // (the general path, kept for vmapped groups) costs 8 L1 wavefronts per bf16 pack and made
 // apply/dx L1-bound (session-2 profile: bf16 apply 19% of DRAM, "Memory" 93%).
 #include <algorithm>
+#include <cstdint>
 
 #include "batch_norm/bn_launch.h"
 #include "batch_norm/bn_math.h"
+#include "batch_norm/bn_test_hooks.h"
 #include "common/bitmask.cuh"
 #include "common/cuda_util.cuh"
 
@@ -58,31 +60,84 @@ __device__ __forceinline__ void channels_of(int64_t e0, int64_t C, int64_t (&ch)
   }
 }
 
-// The records of this lane's P channels for a grid-stride loop whose stride is a multiple of C
-// elements (kFixed): those of the warp's first chunk. Untouched when the warp has no chunk.
+// Where a warp's chunks lie (all warp-uniform): first, first + stride, ... below lim. Block b runs
+// segment b / vgrid of virtual block b % vgrid: the grid-stride loop of a `vgrid`-block grid cut
+// into segments of `seg` strides, one block per segment. seg >= the loop's length is the
+// persistent grid of session 4; a few strides per block (session 6) gives many short blocks
+// that start and finish at different times (softmax/layer_norm's session-5 lesson: persistent
+// grids lost 1-9 %). Every segment starts at a multiple of the stride, so under kFixed a warp
+// still meets the same channels on every chunk.
+struct WarpSpan {
+  int64_t first, stride, lim;
+};
+
+__device__ __forceinline__ WarpSpan warp_span(int64_t chunks, int64_t vgrid, int64_t seg) {
+  const unsigned vg = static_cast<unsigned>(vgrid);  // < 2^31 (a grid size): 32-bit division
+  const int64_t vb = blockIdx.x % vg, sg = blockIdx.x / vg;
+  WarpSpan w;
+  w.stride = vgrid * kWarps;
+  const int64_t base = sg * seg * w.stride;
+  w.first = base + vb * kWarps + threadIdx.x / 32;
+  w.lim = min(chunks, base + seg * w.stride);
+  return w;
+}
+
+// 16-bit types keep session 4's launch (session 6 run 3 on the H100: with the segmented grid and
+// the shared table below, bf16 apply took 142-159 us where session 4's took 126): one grid-stride
+// loop over a `gridDim`-block grid, each lane fetching or computing its own P records.
+template <class T>
+constexpr bool kSession4Grid = sizeof(T) == 2;
+
+__device__ __forceinline__ WarpSpan grid_span(int64_t chunks) {
+  WarpSpan w;
+  w.first = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  w.stride = static_cast<int64_t>(gridDim.x) * kWarps;
+  w.lim = chunks;
+  return w;
+}
+
+template <class T>
+__device__ __forceinline__ WarpSpan span_of(int64_t chunks, int64_t vgrid, int64_t seg) {
+  if constexpr (kSession4Grid<T>) return grid_span(chunks);
+  else return warp_span(chunks, vgrid, seg);
+}
+
+// Channels whose coefficient records a block keeps in shared memory (kFixed, 4- and 8-byte
+// types): 8 KB of float records. Each block computes (forward) or copies (backward) the C records once, cooperatively,
+// instead of every lane fetching its P channels' inputs itself: with all warps of the grid
+// asking for the same few hundred bytes at the same moment, the per-lane prologue was a hot
+// spot on a few L2 lines (session 4: +8.6 us on f32 apply). Wider C keeps the per-lane fetch.
+constexpr int64_t kSmemCoefMax = 512;
+
+template <class A>
+__device__ __forceinline__ Coef<A>* smem_coefs() {
+  extern __shared__ __align__(16) unsigned char bn_smem[];
+  return reinterpret_cast<Coef<A>*>(bn_smem);
+}
+
+// The records of this lane's P channels for a loop whose stride is a multiple of C elements
+// (kFixed): those of the warp's first chunk, from `table` (global or shared). Untouched when the
+// warp has no chunk.
 template <class A, int P>
-__device__ __forceinline__ void lane_coefs(const Coef<A>* __restrict__ coef, int64_t C, int64_t chunks,
+__device__ __forceinline__ void lane_coefs(const Coef<A>* __restrict__ table, int64_t C, const WarpSpan& w,
                                            Coef<A> (&q)[P]) {
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  if (first >= chunks) return;
-  int64_t c = (first * 32 * P + static_cast<int64_t>(threadIdx.x % 32) * P) % C;
+  if (w.first >= w.lim) return;
+  int64_t c = (w.first * 32 * P + static_cast<int64_t>(threadIdx.x % 32) * P) % C;
 #pragma unroll
   for (int k = 0; k < P; ++k) {
-    q[k] = coef[c];
+    q[k] = table[c];
     if (++c == C) c = 0;
   }
 }
 
-// lane_coefs for the forward pass, computed from the per-channel inputs in the kernel itself
-// (session 4): the separate forward_coef_kernel was a dependent launch of ~2 us on the critical
-// path for 4 x C floats. Same formula (bn_math.h), so the same coefficients bit for bit.
+// lane_coefs for the forward pass, computed from the per-channel inputs by the lane itself
+// (channels beyond kSmemCoefMax). Same formula (bn_math.h), so the same coefficients bit for bit.
 template <class A, int P>
 __device__ __forceinline__ void lane_forward_coefs(const A* __restrict__ scale, const A* __restrict__ bias,
                                                    const A* __restrict__ mean, const A* __restrict__ var, A eps,
-                                                   int64_t C, int64_t chunks, Coef<A> (&q)[P]) {
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  if (first >= chunks) return;
-  int64_t c = (first * 32 * P + static_cast<int64_t>(threadIdx.x % 32) * P) % C;
+                                                   int64_t C, const WarpSpan& w, Coef<A> (&q)[P]) {
+  if (w.first >= w.lim) return;
+  int64_t c = (w.first * 32 * P + static_cast<int64_t>(threadIdx.x % 32) * P) % C;
 #pragma unroll
   for (int k = 0; k < P; ++k) {
     q[k] = forward_coef<A>(scale[c], bias[c], mean[c], var[c], eps);
@@ -101,13 +156,103 @@ apply_kernel(const T* __restrict__ x, const T* __restrict__ res, const Coef<acc_
              T* __restrict__ y, uint32_t* __restrict__ mask, int64_t L, int64_t C, int64_t chunks_per_row,
              int64_t chunks, int64_t wpg, bool vec, bool relu, const acc_t<T>* __restrict__ scale,
              const acc_t<T>* __restrict__ bias, const acc_t<T>* __restrict__ mean,
+             const acc_t<T>* __restrict__ var, acc_t<T> eps, int64_t vgrid, int64_t seg) {
+  using A = acc_t<T>;
+  const int lane = threadIdx.x % 32;
+  const WarpSpan ws = warp_span(chunks, vgrid, seg);
+  T v[kApplyUnroll][P], r[kApplyUnroll][P];
+  auto load_step = [&](int64_t chunk0) {  // all loads of one step first
+#pragma unroll
+    for (int u = 0; u < kApplyUnroll; ++u) {
+      const int64_t chunk = chunk0 + u * ws.stride;
+      if (chunk >= ws.lim) break;
+      const cuda::WarpChunk c = cuda::warp_chunk<P>(chunk, chunks_per_row);
+      cuda::load_run<T, P>(x + c.row * L, c.c0, L, vec, v[u]);
+      if (res) cuda::load_run<T, P>(res + c.row * L, c.c0, L, vec, r[u]);
+    }
+  };
+  // kFixed: coefficients from the per-channel inputs (no coef kernel); else records from `coef`.
+  // Up to kSmemCoefMax channels the block computes one shared table, after issuing its first
+  // step's loads, so the prologue overlaps the first DRAM round trip. Wide C: each lane computes
+  // its own P records, before any load. (4- and 8-byte types only: 16-bit types take
+  // apply_s4_kernel, whose loaded packs, live across such a prologue, spilled at 64 registers.)
+  constexpr bool kHoist = kFixed;
+  const bool table = kFixed && C <= kSmemCoefMax;  // block-uniform
+  Coef<A> q[kFixed ? P : 1];
+  if constexpr (kFixed)
+    if (!table) lane_forward_coefs<A, P>(scale, bias, mean, var, eps, C, ws, q);
+  if constexpr (kHoist)
+    if (table) load_step(ws.first);
+  if constexpr (kFixed) {
+    if (table) {
+      Coef<A>* t = smem_coefs<A>();
+      for (int64_t c = threadIdx.x; c < C; c += kThreads)
+        t[c] = forward_coef<A>(scale[c], bias[c], mean[c], var[c], eps);
+      __syncthreads();
+      if (ws.first < ws.lim) {  // the forward records' c is 0: three fields (fewer live registers)
+        int64_t c = (ws.first * 32 * P + static_cast<int64_t>(lane) * P) % C;
+#pragma unroll
+        for (int k = 0; k < P; ++k) {
+          q[k] = Coef<A>{t[c].shift, t[c].a, t[c].b, A(0)};
+          if (++c == C) c = 0;
+        }
+      }
+    }
+  }
+  // The loop bounds are per warp, so the warp collective below always sees all 32 lanes. The
+  // warp's chunks are first + i * stride (kFixed: the same channels for every i).
+  for (int64_t chunk0 = ws.first; chunk0 < ws.lim; chunk0 += ws.stride * kApplyUnroll) {
+    if (!(kHoist && table && chunk0 == ws.first)) load_step(chunk0);
+#pragma unroll
+    for (int u = 0; u < kApplyUnroll; ++u) {
+      const int64_t chunk = chunk0 + u * ws.stride;
+      if (chunk >= ws.lim) break;  // warp-uniform
+      const cuda::WarpChunk c = cuda::warp_chunk<P>(chunk, chunks_per_row);
+      const int64_t base = c.row * L;
+      int64_t ch[P];
+      if constexpr (!kFixed) channels_of<P>(c.c0, C, ch);
+      const Coef<A>* cg = coef + c.row * C;
+      uint32_t bits = 0;
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        if (c.c0 + k >= L) continue;  // past the end: bit stays 0
+        Coef<A> qk;
+        if constexpr (kFixed) qk = q[k];
+        else qk = cg[ch[k]];
+        A z = (to_acc(v[u][k]) - qk.shift) * qk.a + qk.b;
+        if (res) z += to_acc(r[u][k]);
+        if (relu) {
+          const bool pos = z > A(0);
+          bits |= static_cast<uint32_t>(pos) << k;
+          if (!(pos || z != z)) z = A(0);  // NaN propagates like jax.nn.relu
+        }
+        v[u][k] = from_acc<T>(z);
+      }
+      cuda::store_run<T, P>(y + base, c.c0, L, vec, v[u]);
+      if (wpg > 0) {
+        const uint32_t word = cuda::warp_mask_words<P>(bits);
+        const int64_t w = c.ch * P + lane;
+        if (lane < P && w < wpg) mask[c.row * wpg + w] = word;
+      }
+    }
+  }
+}
+
+// 16-bit types: session 4's apply kernel, unchanged (a grid-stride loop, per-lane coefficients;
+// see kSession4Grid).
+template <class T, int P, bool kFixed>
+__global__ void __launch_bounds__(kThreads, kFixed ? 4 : 1)  // kFixed bf16: 64 registers, 4 blocks per SM
+apply_s4_kernel(const T* __restrict__ x, const T* __restrict__ res, const Coef<acc_t<T>>* __restrict__ coef,
+             T* __restrict__ y, uint32_t* __restrict__ mask, int64_t L, int64_t C, int64_t chunks_per_row,
+             int64_t chunks, int64_t wpg, bool vec, bool relu, const acc_t<T>* __restrict__ scale,
+             const acc_t<T>* __restrict__ bias, const acc_t<T>* __restrict__ mean,
              const acc_t<T>* __restrict__ var, acc_t<T> eps) {
   using A = acc_t<T>;
   const int lane = threadIdx.x % 32;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
   Coef<A> q[kFixed ? P : 1];
   // kFixed: coefficients from the per-channel inputs (no coef kernel); else records from `coef`.
-  if constexpr (kFixed) lane_forward_coefs<A, P>(scale, bias, mean, var, eps, C, chunks, q);
+  if constexpr (kFixed) lane_forward_coefs<A, P>(scale, bias, mean, var, eps, C, grid_span(chunks), q);
   // The loop bounds are per warp, so the warp collective below always sees all 32 lanes. The
   // warp's chunks are still first + i * stride (kFixed: the same channels for every i).
   for (int64_t chunk0 = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; chunk0 < chunks;
@@ -160,13 +305,21 @@ template <class T, int P, bool kFixed>
 __global__ void __launch_bounds__(kThreads)  // (a 4-blocks-per-SM bound spills bf16 kFixed)
 dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* __restrict__ mask,
           const Coef<acc_t<T>>* __restrict__ coef, T* __restrict__ dx, T* __restrict__ dres, int64_t L,
-          int64_t C, int64_t chunks_per_row, int64_t chunks, int64_t wpg, bool vec) {
+          int64_t C, int64_t chunks_per_row, int64_t chunks, int64_t wpg, bool vec, int64_t vgrid, int64_t seg) {
   using A = acc_t<T>;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
+  const WarpSpan ws = span_of<T>(chunks, vgrid, seg);
   Coef<A> q[kFixed ? P : 1];
-  if constexpr (kFixed) lane_coefs<A, P>(coef, C, chunks, q);
-  for (int64_t chunk = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; chunk < chunks;
-       chunk += stride) {
+  if constexpr (kFixed) {
+    if (!kSession4Grid<T> && C <= kSmemCoefMax) {  // block-uniform: one copy of the records per block (see kSmemCoefMax)
+      Coef<A>* table = smem_coefs<A>();
+      for (int64_t c = threadIdx.x; c < C; c += kThreads) table[c] = coef[c];
+      __syncthreads();
+      lane_coefs<A, P>(table, C, ws, q);
+    } else {
+      lane_coefs<A, P>(coef, C, ws, q);
+    }
+  }
+  for (int64_t chunk = ws.first; chunk < ws.lim; chunk += ws.stride) {
     const cuda::WarpChunk c = cuda::warp_chunk<P>(chunk, chunks_per_row);
     if (c.c0 >= L) continue;  // no warp collective in this kernel
     const int64_t base = c.row * L;
@@ -191,7 +344,8 @@ dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* __r
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+// Only the load/store instruction depends on this (elementwise: same results either way).
+bool aligned16(const void* p) { return !force_element_loads() && reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 cudaError_t chunk_grid(int64_t chunks, int* blocks) {
   cuda::DeviceInfo info;
@@ -215,8 +369,8 @@ int64_t gcd64(int64_t a, int64_t b) {
 // blocks a multiple of q = m / gcd(m, kWarps) with m = C / gcd(C, 32*P). With at most one chunk
 // per warp any grid works. Always possible: q <= C, far below the 2^31 grid limit.
 // `target` is the grid wanted when the data is large: session 3 used 32 blocks per SM (8 waves
-// of 4 resident blocks, each wave boundary a stall of the DRAM stream); apply now asks for one
-// resident wave (a persistent grid-stride loop); dx_kernel still uses the default.
+// of 4 resident blocks, each wave boundary a stall of the DRAM stream); apply asks for one
+// resident wave, and so does dx for 4- and 8-byte types (16-bit dx: the default).
 cudaError_t fixed_grid(int64_t chunks, int64_t C, int P, int* blocks, int64_t target = 0) {
   cuda::DeviceInfo info;
   if (cudaError_t err = cuda::device_info(&info)) return err;
@@ -250,6 +404,36 @@ int64_t resident_blocks() {
   return total;
 }
 
+// Launch shape of apply/dx: `vgrid` virtual blocks (the grid-stride loop's grid, from fixed_grid
+// or chunk_grid), cut into segments of `seg` strides, one block each (warp_span).
+struct Segments {
+  int64_t vgrid, seg, blocks;
+};
+
+constexpr int64_t kSegStrides = 4;  // 4 chunks per warp, then the block ends
+
+Segments segments(int vgrid, int64_t chunks, bool persistent) {
+  Segments s;
+  s.vgrid = vgrid;
+  const int64_t stride = int64_t(vgrid) * kWarps;
+  const int64_t steps = std::max<int64_t>(1, (chunks + stride - 1) / stride);
+  s.seg = persistent ? steps : std::min(steps, kSegStrides);
+  while ((steps + s.seg - 1) / s.seg * s.vgrid > INT32_MAX) s.seg *= 2;  // grid limit (never for real sizes)
+  s.blocks = (steps + s.seg - 1) / s.seg * s.vgrid;
+  return s;
+}
+
+// 16-bit types: session 4's grid as is (one segment per block, the grid-stride loop of span_of).
+template <class T>
+Segments segments_of(int vgrid, int64_t chunks) {
+  return segments(vgrid, chunks, kSession4Grid<T>);
+}
+
+template <class T>
+size_t coef_smem(bool fixed, int64_t C) {
+  return fixed && !kSession4Grid<T> && C <= kSmemCoefMax ? static_cast<size_t>(C) * sizeof(Coef<acc_t<T>>) : 0;
+}
+
 }  // namespace
 
 cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const void* scale,
@@ -266,17 +450,37 @@ cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const 
           static_cast<const A*>(var), static_cast<Coef<A>*>(coef), n, A(eps));
     const int64_t cpr = (L + 32 * P - 1) / (32 * P);
     const bool vec = L % P == 0 && aligned16(x) && aligned16(y) && (!residual || aligned16(residual));
-    int blocks = 0;
-    const int64_t target = resident_blocks<apply_kernel<T, P, true>>();
-    if (cudaError_t err = fixed ? fixed_grid(cpr, v.channels, P, &blocks, target)
-                                : chunk_grid(v.groups * cpr, &blocks))
-      return err;
-    auto kernel = fixed ? apply_kernel<T, P, true> : apply_kernel<T, P, false>;
-    kernel<<<blocks, kThreads, 0, stream>>>(
-        static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const Coef<A>*>(coef),
-        static_cast<T*>(y), mask, L, v.channels, cpr, v.groups * cpr, v.mask_words, vec, relu,
-        static_cast<const A*>(scale), static_cast<const A*>(bias), static_cast<const A*>(mean),
-        static_cast<const A*>(var), A(eps));
+    // A generic lambda, so that `if constexpr` drops the other dtype class's kernels.
+    auto launch = [&](auto tag) -> cudaError_t {
+      using U = decltype(tag);
+      int blocks = 0;
+      if constexpr (kSession4Grid<U>) {  // session 4's launch: one resident wave, grid-stride
+        const int64_t target = resident_blocks<apply_s4_kernel<U, P, true>>();
+        if (cudaError_t err = fixed ? fixed_grid(cpr, v.channels, P, &blocks, target)
+                                    : chunk_grid(v.groups * cpr, &blocks))
+          return err;
+        auto kernel = fixed ? apply_s4_kernel<U, P, true> : apply_s4_kernel<U, P, false>;
+        kernel<<<blocks, kThreads, 0, stream>>>(
+            static_cast<const U*>(x), static_cast<const U*>(residual), static_cast<const Coef<A>*>(coef),
+            static_cast<U*>(y), mask, L, v.channels, cpr, v.groups * cpr, v.mask_words, vec, relu,
+            static_cast<const A*>(scale), static_cast<const A*>(bias), static_cast<const A*>(mean),
+            static_cast<const A*>(var), A(eps));
+      } else {  // one resident wave of virtual blocks, cut into kSegStrides-chunk segments
+        const int64_t target = resident_blocks<apply_kernel<U, P, true>>();
+        if (cudaError_t err = fixed ? fixed_grid(cpr, v.channels, P, &blocks, target)
+                                    : chunk_grid(v.groups * cpr, &blocks))
+          return err;
+        const Segments sg = segments(blocks, v.groups * cpr, false);
+        auto kernel = fixed ? apply_kernel<U, P, true> : apply_kernel<U, P, false>;
+        kernel<<<sg.blocks, kThreads, coef_smem<U>(fixed, v.channels), stream>>>(
+            static_cast<const U*>(x), static_cast<const U*>(residual), static_cast<const Coef<A>*>(coef),
+            static_cast<U*>(y), mask, L, v.channels, cpr, v.groups * cpr, v.mask_words, vec, relu,
+            static_cast<const A*>(scale), static_cast<const A*>(bias), static_cast<const A*>(mean),
+            static_cast<const A*>(var), A(eps), sg.vgrid, sg.seg);
+      }
+      return cudaSuccess;
+    };
+    if (cudaError_t err = launch(T{})) return err;
   });
   return cudaGetLastError();
 }
@@ -297,13 +501,18 @@ cudaError_t backward_dx_cuda(cudaStream_t stream, const View& v, const void* dy,
     const bool vec = L % P == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) && (!dres || aligned16(dres));
     int blocks = 0;
     const bool fixed = v.groups == 1;
-    if (cudaError_t err = fixed ? fixed_grid(cpr, v.channels, P, &blocks) : chunk_grid(v.groups * cpr, &blocks))
+    // 16-bit types: session 4's grid (32 blocks per SM, grid-stride); else one resident wave of
+    // virtual blocks cut into kSegStrides-chunk segments.
+    const int64_t target = kSession4Grid<T> ? 0 : resident_blocks<dx_kernel<T, P, true>>();
+    if (cudaError_t err = fixed ? fixed_grid(cpr, v.channels, P, &blocks, target)
+                                : chunk_grid(v.groups * cpr, &blocks))
       return err;
+    const Segments sg = segments_of<T>(blocks, v.groups * cpr);
     auto kernel = fixed ? dx_kernel<T, P, true> : dx_kernel<T, P, false>;
-    kernel<<<blocks, kThreads, 0, stream>>>(
+    kernel<<<sg.blocks, kThreads, coef_smem<T>(fixed, v.channels), stream>>>(
         static_cast<const T*>(dy), static_cast<const T*>(x), relu ? mask : nullptr,
         static_cast<const Coef<A>*>(coef), static_cast<T*>(dx), static_cast<T*>(dres), L, v.channels, cpr,
-        v.groups * cpr, v.mask_words, vec);
+        v.groups * cpr, v.mask_words, vec, sg.vgrid, sg.seg);
   });
   return cudaGetLastError();
 }

@@ -14,6 +14,7 @@
 
 #include "batch_norm/bn_launch.h"
 #include "batch_norm/bn_math.h"
+#include "batch_norm/bn_test_hooks.h"
 #include "common/bitmask.cuh"
 #include "common/cuda_util.cuh"
 
@@ -45,6 +46,27 @@ constexpr int stats_unroll() {
   return sizeof(T) == 2 ? 6 : 64 / (reduce_pack<T>() * static_cast<int>(sizeof(T)));
 }
 
+// The P channels of one row: one vector load when the data is aligned for it (kVec), else P
+// element loads of the same channels. Only the load instruction depends on where XLA put the
+// buffer; the tile, the rows each thread visits and the order of additions do not (session 6:
+// the plan used to fall back to P = 1, and so a different summation order, for a misaligned x).
+template <class T, int P, bool kVec>
+__device__ __forceinline__ cuda::Pack<T, P> load_channels(const T* p) {
+  if constexpr (kVec || P == 1) {
+    return cuda::load_pack<T, P>(p);
+  } else {
+    cuda::Pack<T, P> v;
+#pragma unroll
+    for (int k = 0; k < P; ++k) v.v[k] = p[k];
+    return v;
+  }
+}
+
+template <class T, int P>
+bool pack_aligned(const void* p) {
+  return !force_element_loads() && reinterpret_cast<uintptr_t>(p) % (sizeof(T) * P) == 0;
+}
+
 // Blocks of `Kernel` (kThreads threads) that fit on the whole chip at once (queried once).
 template <auto Kernel>
 int64_t resident_blocks(int sm_count) {
@@ -74,9 +96,11 @@ struct Tile {
 // at the start and the end. Session 3 asked for ~8 blocks per SM (about two waves of 4 resident
 // blocks, each with a shared-memory tree, a partial store and a block launch in between: 2.72
 // TB/s where XLA's reduce reaches 3.0).
-Tile plan(const View& v, int vec_pack, bool vec_ok, int64_t cap, int64_t resident) {
+// A function of the shape, the dtype's pack and the occupancy only (never of pointer alignment),
+// so the order of floating-point additions is too.
+Tile plan(const View& v, int pack, int64_t cap, int64_t resident) {
   Tile t;
-  t.P = (vec_ok && v.channels % vec_pack == 0) ? vec_pack : 1;
+  t.P = v.channels % pack == 0 ? pack : 1;
   const int64_t lanes = (v.channels + t.P - 1) / t.P;
   t.tx = static_cast<int>(std::min<int64_t>(lanes, 32));
   t.ty = kThreads / t.tx;
@@ -141,7 +165,7 @@ __device__ __forceinline__ A pivot_of(A first) {
   return isfinite(first) ? first : A(0);
 }
 
-template <class T, int P, int U>
+template <class T, int P, int U, bool kVec>
 __global__ void __launch_bounds__(kThreads)
 stats_partial_kernel(const T* __restrict__ x, acc_t<T>* __restrict__ ws, int64_t R, int64_t C, Tile t,
                      int64_t cap) {
@@ -156,14 +180,14 @@ stats_partial_kernel(const T* __restrict__ x, acc_t<T>* __restrict__ ws, int64_t
   for (int k = 0; k < P; ++k) sum[k] = mean[k] = m2[k] = piv[k] = 0;
   if (b.active) {
     const T* xg = x + b.g * R * C + b.c0;
-    const cuda::Pack<T, P> first = cuda::load_pack<T, P>(xg);  // row 0 of the group: the pivots
+    const cuda::Pack<T, P> first = load_channels<T, P, kVec>(xg);  // row 0 of the group: the pivots
 #pragma unroll
     for (int k = 0; k < P; ++k) piv[k] = pivot_of(to_acc(first.v[k]));
     for (int64_t r = b.r0 + b.ty; r < b.r1; r += int64_t(t.ty) * U) {
       cuda::Pack<T, P> v[U];
 #pragma unroll
       for (int u = 0; u < U; ++u)  // rows past the end reload the last row (not folded): no predicated loads
-        v[u] = cuda::load_pack<T, P>(xg + min(r + u * t.ty, b.r1 - 1) * C);
+        v[u] = load_channels<T, P, kVec>(xg + min(r + u * t.ty, b.r1 - 1) * C);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         if (r + u * t.ty >= b.r1) break;
@@ -291,7 +315,7 @@ stats_merge_kernel(const T* __restrict__ x, const acc_t<T>* __restrict__ ws, acc
 
 // ---------------------------------------------------------------- backward sums
 
-template <class T, int P>
+template <class T, int P, bool kVec>
 __global__ void __launch_bounds__(kThreads)
 grad_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* __restrict__ mask,
                     const acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ ws, int64_t R, int64_t C,
@@ -315,8 +339,8 @@ grad_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uin
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t rr = r + u * t.ty;
         if (rr < b.r1) {
-          g[u] = cuda::load_pack<T, P>(dy + base + rr * C);
-          v[u] = cuda::load_pack<T, P>(x + base + rr * C);
+          g[u] = load_channels<T, P, kVec>(dy + base + rr * C);
+          v[u] = load_channels<T, P, kVec>(x + base + rr * C);
           bits[u] = relu ? cuda::mask_bits<P>(mg, rr * C + b.c0) : ~0u;
         }
       }
@@ -401,9 +425,21 @@ grad_merge_kernel(const A* __restrict__ ws, const A* __restrict__ var, A* __rest
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
+
+// Launches pass-1 kernel K<P, kVec>: the tile comes from the shape and the aligned kernel's
+// occupancy only; a misaligned x takes the element-load twin with the same tile and order.
+template <class T, auto Vec, auto Elem, auto Scalar, class Launch>
+void launch_pass1(const View& v, int pack, bool aligned, int64_t cap, int sm_count, bool rows_empty,
+                  Launch&& launch, Tile* out) {
+  const bool packed = v.channels % pack == 0;
+  const int64_t resident = packed ? resident_blocks<Vec>(sm_count) : resident_blocks<Scalar>(sm_count);
+  Tile t = plan(v, pack, cap, resident);
+  if (rows_empty) t.nrb = 0;
+  const int64_t blocks = v.groups * t.ncb * t.nrb;
+  if (blocks > 0) launch(t.P == pack ? (aligned ? Vec : Elem) : Scalar, blocks, t);
+  *out = t;
+}
 
 cudaError_t stats_cuda(cudaStream_t stream, const View& v, const void* x, void* mean, void* var, void* ws,
                        int64_t cap) {
@@ -412,17 +448,15 @@ cudaError_t stats_cuda(cudaStream_t stream, const View& v, const void* x, void* 
   JAXOPS_DISPATCH_FLOAT(v.dtype, T, {
     using A = acc_t<T>;
     constexpr int kP = reduce_pack<T>();
+    const bool aligned = pack_aligned<T, kP>(x);
+    auto go = [&](auto kernel, int64_t blocks, const Tile& t) {
+      kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<A*>(ws), v.rows, v.channels,
+                                              t, cap);
+    };
     constexpr int kU = stats_unroll<T>();
-    constexpr auto packed = stats_partial_kernel<T, kP, kU>;
-    constexpr auto scalar = stats_partial_kernel<T, 1, kU>;
-    const bool vec_ok = aligned16(x);
-    const bool use_packed = vec_ok && v.channels % kP == 0;
-    const int64_t resident =
-        use_packed ? resident_blocks<packed>(info.sm_count) : resident_blocks<scalar>(info.sm_count);
-    const Tile t = plan(v, kP, vec_ok, cap, resident);
-    const int64_t blocks = v.groups * t.ncb * t.nrb;
-    (t.P == kP ? packed : scalar)<<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<A*>(ws),
-                                                                   v.rows, v.channels, t, cap);
+    Tile t;
+    launch_pass1<T, stats_partial_kernel<T, kP, kU, true>, stats_partial_kernel<T, kP, kU, false>,
+                 stats_partial_kernel<T, 1, kU, true>>(v, kP, aligned, cap, info.sm_count, false, go, &t);
     stats_merge_kernel<T><<<v.groups * v.channels, kMergeThreads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const A*>(ws), static_cast<A*>(mean), static_cast<A*>(var),
         v.rows, v.channels, t.nrb, t.rpb, cap);
@@ -438,24 +472,15 @@ cudaError_t backward_reduce_cuda(cudaStream_t stream, const View& v, const void*
   JAXOPS_DISPATCH_FLOAT(v.dtype, T, {
     using A = acc_t<T>;
     constexpr int kP = reduce_pack<T>();
-    constexpr auto packed = grad_partial_kernel<T, kP>;
-    constexpr auto scalar = grad_partial_kernel<T, 1>;
-    const bool vec_ok = aligned16(x) && aligned16(dy);
-    const int64_t resident = vec_ok && v.channels % kP == 0 ? resident_blocks<packed>(info.sm_count)
-                                                             : resident_blocks<scalar>(info.sm_count);
-    Tile t = plan(v, kP, vec_ok, cap, resident);
-    if (v.rows == 0) t.nrb = 0;  // nothing to reduce: the merge writes zeros
-    const int64_t blocks = v.groups * t.ncb * t.nrb;
-    if (blocks > 0) {
-      if (t.P == kP)
-        grad_partial_kernel<T, kP><<<blocks, kThreads, 0, stream>>>(
-            static_cast<const T*>(dy), static_cast<const T*>(x), mask, static_cast<const A*>(mean),
-            static_cast<A*>(ws), v.rows, v.channels, t, cap, v.mask_words, relu);
-      else
-        grad_partial_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(
-            static_cast<const T*>(dy), static_cast<const T*>(x), mask, static_cast<const A*>(mean),
-            static_cast<A*>(ws), v.rows, v.channels, t, cap, v.mask_words, relu);
-    }
+    const bool aligned = pack_aligned<T, kP>(x) && pack_aligned<T, kP>(dy);
+    auto go = [&](auto kernel, int64_t blocks, const Tile& t) {
+      kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x), mask,
+                                              static_cast<const A*>(mean), static_cast<A*>(ws), v.rows, v.channels,
+                                              t, cap, v.mask_words, relu);
+    };
+    Tile t;  // no rows: nothing to reduce, the merge writes zeros
+    launch_pass1<T, grad_partial_kernel<T, kP, true>, grad_partial_kernel<T, kP, false>,
+                 grad_partial_kernel<T, 1, true>>(v, kP, aligned, cap, info.sm_count, v.rows == 0, go, &t);
     grad_merge_kernel<A><<<v.groups * v.channels, kMergeThreads, 0, stream>>>(
         static_cast<const A*>(ws), static_cast<const A*>(var), static_cast<A*>(sum_dy),
         static_cast<A*>(sum_dyxhat), v.channels, t.nrb, cap, A(eps));

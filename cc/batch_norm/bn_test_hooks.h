@@ -1,0 +1,20 @@
+// Test hook of the batch_norm CUDA launchers: JAXOPS_BN_ELEMENT_LOADS=1 (read once per process)
+// makes every kernel take its element-load path, as for operands that are not 16-byte aligned.
+// XLA hands out aligned buffers, so a misaligned operand cannot be built from JAX; with the hook,
+// tests/test_batch_norm.py::test_gpu_results_independent_of_alignment checks in a subprocess that
+// the statistics, gradient sums and outputs are bit-identical to the vector-load path's (the
+// plan and the order of additions must not depend on where XLA put the operands).
+#pragma once
+#include <cstdlib>
+
+namespace jaxops::batch_norm {
+
+inline bool force_element_loads() {
+  static const bool on = [] {
+    const char* e = std::getenv("JAXOPS_BN_ELEMENT_LOADS");
+    return e != nullptr && e[0] != '\0' && e[0] != '0';
+  }();
+  return on;
+}
+
+}  // namespace jaxops::batch_norm
