@@ -459,13 +459,16 @@ def test_forward_large_grid_gpu(key, rows, cols):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("rows,cols", [(5000, 2056), (3001, 4096), (263, 6152), (1100, 8192)])
+@pytest.mark.parametrize("rows,cols", [(5000, 2056), (3001, 4096), (263, 6152), (1100, 8192),
+                                       (7000, 1024), (3001, 520), (263, 776)])
 def test_lean_backward_rows_gpu(key, dtype, rows, cols):
-    # backward_rows_lean (session 5, 16-bit 2048-8192 columns): column sums in shared memory,
-    # several rows a slot (5000 / <= 528 slots -> >= 9 a slot; 3001 -> >= 5, uneven), fewer rows than
-    # slots (263: one row a slot, one slot empty), partial last packs (2056 = 257 packs over 2 a
-    # thread, 6152 = 769), rows off zero. dx / dscale / dbias against the formula for both ops,
-    # and dscale / dbias bit-identical over two runs (fixed-order sums).
+    # backward_rows_lean (session 5, 16-bit 2048-8192 columns; session 6 also 520-1024 columns, one
+    # pack a thread, and the next-row prefetch at <= 4096 columns): column sums in shared memory,
+    # several rows a slot (5000 / <= 528 slots -> >= 9 a slot; 3001 -> >= 5, uneven; 7000 -> 13-14),
+    # so the prefetched row is used, fewer rows than slots (263: one row a slot, one slot empty),
+    # partial last packs (2056 = 257 packs over 2 a thread, 6152 = 769) and idle threads (520 = 65
+    # packs on 96 threads, 776 = 97 on 128), rows off zero. dx / dscale / dbias against the formula
+    # for both ops, and dscale / dbias bit-identical over two runs (fixed-order sums).
     k1, k2 = jax.random.split(key)
     x = normal(k1, (rows, cols), dtype) + jnp.asarray(2.0, dtype)
     scale, bias = params(k2, cols, dtype)
@@ -478,7 +481,7 @@ def test_lean_backward_rows_gpu(key, dtype, rows, cols):
         np.testing.assert_array_equal(np.asarray(u.astype(jnp.float32)), np.asarray(v.astype(jnp.float32)))
     np.testing.assert_array_equal(np.asarray(g(x, scale).astype(jnp.float32)),
                                   np.asarray(g(x, scale).astype(jnp.float32)))
-    if cols == 4096:  # per-example parameters (vmap: groups > 1, each group its own slots)
+    if cols in (1024, 4096):  # per-example parameters (vmap: groups > 1, each group its own slots)
         xs = x[:600].reshape(3, 200, cols)
         s3, b3 = jnp.stack([scale, bias, scale]), jnp.stack([bias, scale, bias])
         ws = w[:600].reshape(3, 200, cols)

@@ -14,7 +14,8 @@ constexpr int kTeamThreads = 256;
 // cap of 80 (3 blocks) or 128 (2). x and dy of a row take 2 * elems * sizeof(T) / 4 registers
 // per lane, and a pack's accumulators (2 * kPack) are live while it is updated. ptxas -v, sm_90:
 // 16 elements per lane (float 512 columns, 16-bit 256 columns) fit 80 registers without spills;
-// 32 (float / 16-bit 1024 columns) need 113-125 (16-bit types spilled 24-32 bytes at 80).
+// 32 (float 1024 columns) need 113-125. (16-bit rows of 32 elements a lane, 1024 columns, take
+// backward_rows_lean since session 6.)
 template <class T>
 constexpr int warp_min_blocks(int elems) {
   if (sizeof(T) == 8) return 1;  // double (no target) spilled at 128 on sm_90; it takes ~142
@@ -42,7 +43,7 @@ SlotPlan plan_slots(const BackwardArgs& a, const cuda::DeviceInfo& info, int blo
 template <class T>
 cudaError_t launch_reduce(const BackwardArgs& a, int64_t used, cudaStream_t stream) {
   const int64_t blocks = (a.shape.cols + 31) / 32 * a.shape.groups * num_acc(a.shape.rms);
-  reduce_slots<T><<<static_cast<unsigned>(blocks), dim3(32, 8), 0, stream>>>(a, used);
+  reduce_slots<T><<<static_cast<unsigned>(blocks), dim3(32, kSlotLanes), 0, stream>>>(a, used);
   return cudaGetLastError();
 }
 
@@ -91,12 +92,18 @@ cudaError_t launch_full_warp(const BackwardArgs& a, const cuda::DeviceInfo& info
   else return launch_team<T, kPack, kPacks, 32>(a, info, stream);
 }
 
+// 16-bit rows of 8-element packs with more than 64 packs take backward_rows_lean (session 6).
+template <class T, int kPack>
+constexpr bool kLeanRows = sizeof(T) == 2 && kPack == 8;
+
 template <class T, int kPack>
 cudaError_t launch_wide(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream, int packs) {
   if constexpr (kPack > 1) {
     if (packs <= 2) return launch_full_warp<T, kPack, 2>(a, info, stream);
-    if (packs <= 4 && 4 * kPack <= 32) return launch_full_warp<T, kPack, 4>(a, info, stream);
-    if constexpr (8 * kPack <= 32) return launch_full_warp<T, kPack, 8>(a, info, stream);
+    if constexpr (!kLeanRows<T, kPack>) {  // (16-bit: backward_packed sent > 64 packs elsewhere)
+      if (packs <= 4 && 4 * kPack <= 32) return launch_full_warp<T, kPack, 4>(a, info, stream);
+      if constexpr (8 * kPack <= 32) return launch_full_warp<T, kPack, 8>(a, info, stream);
+    }
   }
   return cudaErrorInvalidValue;  // unreachable: the caller checked the capacity
 }
@@ -107,23 +114,35 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
   const int64_t npacks = a.shape.cols / kPack;
   constexpr int64_t kMaxTeamPacks = kPack > 1 ? 32 * std::min(8, 32 / kPack) : 32;
   if (npacks <= 32) return launch_narrow<T, kPack>(a, info, stream, team_width(npacks));
+  if constexpr (kLeanRows<T, kPack>) {
+    // 16-bit rows of 65-128 packs (520-1024 columns): the lean row kernel with one pack a thread
+    // and the next row prefetched (96-128 threads a row, <= 64 registers, 8 blocks an SM) instead
+    // of backward_warp (128 registers, 2 blocks of 8 row-warps, session-4 math: IEEE divisions,
+    // per-row scale loads). H100, session 6: bf16 65536x1024 layer_norm_bwd 163.4 -> 151.6 us.
+    if (npacks > 64 && npacks <= 128) {
+      const int threads = static_cast<int>((npacks + 31) / 32 * 32);
+      const size_t acc_smem = sizeof(float) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols);
+      return launch_slotted<T>(backward_rows_lean<T, kPack, 1, true>, a, info, threads, acc_smem, stream);
+    }
+  }
   if (npacks <= kMaxTeamPacks) return launch_wide<T, kPack>(a, info, stream, team_packs(npacks));
 
   if constexpr (kPack > 1 && sizeof(T) < 8) {
-    // Register rows (backward_rows): 16-bit types 2 packs a thread (their 8-column packs take 16
-    // accumulator registers each), float 4; at most 512 threads: float and 16-bit up to 8192 columns.
+    // Register rows (x and dy in registers): 16-bit types 2 packs a thread (backward_rows_lean,
+    // session 5, <= 64 registers), float 4 (backward_rows); at most 512 threads: up to 8192
+    // columns. Both keep the column accumulators in shared memory: nacc x cols floats.
     constexpr int kRowPacks = sizeof(T) == 2 ? 2 : 4;
     if (npacks <= int64_t{512} * kRowPacks) {
       const int threads = static_cast<int>(std::max<int64_t>((npacks + kRowPacks - 1) / kRowPacks + 31, 64) / 32 * 32);
-      // Float: accumulators in shared memory (registers: see backward_rows).
-      constexpr bool kSmemAcc = sizeof(T) == 4;
-      const size_t smem = kSmemAcc ? sizeof(A) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols) : 0;
-      // 16-bit types: the lean kernel (session 5; accumulators in shared memory, <= 64 registers).
+      const size_t smem = sizeof(A) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols);
       if constexpr (sizeof(T) == 2) {
-        const size_t acc_smem = sizeof(float) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols);
-        return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks>, a, info, threads, acc_smem, stream);
+        // <= 4096 columns: next row prefetched, 3 blocks of 256 an SM (session 6: bf16 16384x4096
+        // layer_norm_bwd 165.5 -> 158.9 us); 8192 columns: session 5's kernel, 2 blocks of 512.
+        if (npacks <= 256 * kRowPacks)
+          return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks, true>, a, info, threads, smem, stream);
+        return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks>, a, info, threads, smem, stream);
       } else {
-        return launch_slotted<T>(backward_rows<T, kPack, kRowPacks, kSmemAcc>, a, info, threads, smem, stream);
+        return launch_slotted<T>(backward_rows<T, kPack, kRowPacks>, a, info, threads, smem, stream);
       }
     }
   }

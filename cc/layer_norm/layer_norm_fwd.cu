@@ -119,6 +119,8 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
     if constexpr (kLeanType<T, kPack>) {
       if (lean_forward<T, kPack>(a)) {
         kernel = forward_block_lean<T, kPack>;
+        if constexpr (sizeof(T) == 2)  // 48 registers, 5 blocks of 256 an SM (see the kernel)
+          if (threads <= 256) kernel = forward_block_lean_256<T, kPack>;
         persistent = false;
       }
     }

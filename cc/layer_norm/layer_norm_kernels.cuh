@@ -177,6 +177,23 @@ constexpr int forward_min_blocks(int bytes) {
 }
 
 // A team of kWidth lanes per row, row in registers: kPacks packs of kPack elements per lane.
+// Sum over a team lane's packs of one row (packs lane + k * kWidth < npacks; none when the row is
+// past the end) of term(element): forward_team's mean and variance passes.
+template <class T, int kPack, int kPacks, int kWidth, class Term>
+__device__ __forceinline__ acc_t<T> team_pass_sum(const Pack<T, kPack> (&xp)[kPacks], bool valid_row, int lane,
+                                                  int64_t npacks, Term term) {
+  acc_t<T> sum = 0;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int64_t p = lane + k * kWidth;
+    if (valid_row && p < npacks) {
+#pragma unroll
+      for (int e = 0; e < kPack; ++e) sum += term(to_acc(xp[k].v[e]));
+    }
+  }
+  return sum;
+}
+
 // kRows rows per team per iteration (session 4, narrow rows of 16-bit types; 1 otherwise): with
 // one 16-byte pack per lane a 128-thread block had 2 KB in flight and an SM ~24 KB (bfloat16 128
 // columns ran at 0.70 of copy); two rows, all loads issued before the first reduction, double that.
@@ -207,15 +224,8 @@ __global__ void __launch_bounds__(128, forward_min_blocks<T>(kPack* kPacks * kRo
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const bool valid_row = base + r * teams + team < s.rows;
-      A sum = 0;
-#pragma unroll
-      for (int k = 0; k < kPacks; ++k) {
-        const int64_t p = lane + k * kWidth;
-        if (valid_row && p < npacks) {
-#pragma unroll
-          for (int e = 0; e < kPack; ++e) sum += to_acc(xp[r][k].v[e]) - shift[r];
-        }
-      }
+      const A sh = shift[r];
+      const A sum = team_pass_sum<T, kPack, kPacks, kWidth>(xp[r], valid_row, lane, npacks, [=](A v) { return v - sh; });
       mean_rel[r] = s.rms ? A(0) : team_sum<kWidth>(sum) / A(s.cols);
     }
     // 16-bit types: convert x again in each pass instead of keeping the converted floats (twice
@@ -224,18 +234,11 @@ __global__ void __launch_bounds__(128, forward_min_blocks<T>(kPack* kPacks * kRo
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const bool valid_row = base + r * teams + team < s.rows;
-      A sq = 0;
-#pragma unroll
-      for (int k = 0; k < kPacks; ++k) {
-        const int64_t p = lane + k * kWidth;
-        if (valid_row && p < npacks) {
-#pragma unroll
-          for (int e = 0; e < kPack; ++e) {
-            const A d = (to_acc(xp[r][k].v[e]) - shift[r]) - mean_rel[r];
-            sq += d * d;
-          }
-        }
-      }
+      const A sh = shift[r], m = mean_rel[r];
+      const A sq = team_pass_sum<T, kPack, kPacks, kWidth>(xp[r], valid_row, lane, npacks, [=](A v) {
+        const A d = (v - sh) - m;
+        return d * d;
+      });
       rstd[r] = inv_sqrt(team_sum<kWidth>(sq) / A(s.cols) + A(s.epsilon));
     }
     if constexpr (sizeof(T) == 2) opaque_rows(xp);
@@ -784,25 +787,24 @@ __device__ __forceinline__ void load_row_packs(const T* x, const T* dy, int64_t 
   }
 }
 
-// One block per row for rows of up to kPacks * 512 16-byte packs (2048-8192 columns), session 4.
-// backward_block caches x and dy in shared memory and walks its rows strictly load -> reduce ->
-// write; with the workspace's 264 slots capping the grid at 2 blocks per SM, a block had one row's
-// loads in flight only during the load phase (bfloat16 4096 columns: 16 KB per block, ~1/4 of the
-// row time), so the backward ran at the same per-row time as float32, i.e. half its bandwidth.
-// Here x and dy stay in registers (kPacks packs a thread), the column accumulators of the
-// thread's own columns too (no shared memory besides the reduction scratch); the next row is
-// loaded after the current row's dx is written. (A variant that loaded the next row's x, dy,
-// mean and rstd before the current row's reductions measured 2-4 % slower on the H100, session
-// 4, and was removed.) kSmemAcc (float): the accumulators of the thread's columns live in
-// dynamic shared memory instead (nacc x cols, 16-byte chunks with threads adjacent, no barrier:
-// each thread only touches its own columns); this is the measured float configuration (chosen
-// when the prefetch variant needed the registers: > 128 with register accumulators).
-template <class T, int kPack, int kPacks, bool kSmemAcc>
+// One block per row for float rows of up to kPacks * 512 16-byte packs (2048-8192 columns),
+// session 4. backward_block caches x and dy in shared memory and walks its rows strictly load ->
+// reduce -> write; with the workspace's 264 slots capping the grid at 2 blocks per SM, a block had
+// one row's loads in flight only during the load phase (bfloat16 4096 columns: 16 KB per block,
+// ~1/4 of the row time), so the backward ran at the same per-row time as float32, i.e. half its
+// bandwidth. Here x and dy stay in registers (kPacks packs a thread); the next row is loaded after
+// the current row's dx is written. (A variant that loaded the next row's x, dy, mean and rstd
+// before the current row's reductions measured 2-4 % slower on the H100, session 4, and was
+// removed.) The column accumulators of the thread's own columns live in dynamic shared memory
+// (nacc x cols, 16-byte chunks with threads adjacent, no barrier: each thread only touches its
+// own columns): register accumulators took > 128 registers with the prefetch. 16-bit types take
+// backward_rows_lean (session 5); the register-accumulator branch for them was removed (session 6).
+template <class T, int kPack, int kPacks>
 __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t used) {
   using A = acc_t<T>;
   __shared__ A scratch[64];
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  A* sacc = reinterpret_cast<A*>(smem_raw);  // kSmemAcc: [nacc][cols], thread-owned columns
+  A* sacc = reinterpret_cast<A*>(smem_raw);  // [nacc][cols], thread-owned columns
   const Shape s = a.shape;
   const int nacc = num_acc(s.rms);
   const int npacks = static_cast<int>(s.cols / kPack);
@@ -814,22 +816,15 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
     int64_t begin, end;
     slot_rows(s, g, j, used, &begin, &end);
     const T* scale = static_cast<const T*>(a.scale) + g * s.cols;
-    A acc_s[kSmemAcc ? 1 : kPacks][kPack], acc_b[kSmemAcc ? 1 : kPacks][kPack];
+    Pack<A, kPack> zero;
 #pragma unroll
-    for (int k = 0; k < (kSmemAcc ? 1 : kPacks); ++k)
+    for (int e = 0; e < kPack; ++e) zero.v[e] = A(0);
 #pragma unroll
-      for (int e = 0; e < kPack; ++e) acc_s[k][e] = acc_b[k][e] = A(0);
-    if constexpr (kSmemAcc) {
-      Pack<A, kPack> zero;
-#pragma unroll
-      for (int e = 0; e < kPack; ++e) zero.v[e] = A(0);
-#pragma unroll
-      for (int k = 0; k < kPacks; ++k) {
-        const int p = threadIdx.x + k * blockDim.x;
-        if (p < npacks) {
-          store_pack(sacc + p * kPack, zero);
-          if (nacc == 2) store_pack(sacc + s.cols + p * kPack, zero);
-        }
+    for (int k = 0; k < kPacks; ++k) {
+      const int p = threadIdx.x + k * blockDim.x;
+      if (p < npacks) {
+        store_pack(sacc + p * kPack, zero);
+        if (nacc == 2) store_pack(sacc + s.cols + p * kPack, zero);
       }
     }
     Pack<T, kPack> xp[kPacks], dp[kPacks];
@@ -859,31 +854,26 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
       for (int k = 0; k < kPacks; ++k) {
         const int p = threadIdx.x + k * blockDim.x;
         if (p < npacks) {
-          A* as = acc_s[kSmemAcc ? 0 : k];
-          A* ab = acc_b[kSmemAcc ? 0 : k];
-          if constexpr (kSmemAcc) {
-            const auto cs = load_pack<A, kPack>(sacc + p * kPack);
-            Pack<A, kPack> cb;
-            if (nacc == 2) cb = load_pack<A, kPack>(sacc + s.cols + p * kPack);
+          A as[kPack], ab[kPack];
+          const auto cs = load_pack<A, kPack>(sacc + p * kPack);
+          Pack<A, kPack> cb;
+          if (nacc == 2) cb = load_pack<A, kPack>(sacc + s.cols + p * kPack);
 #pragma unroll
-            for (int e = 0; e < kPack; ++e) {
-              as[e] = cs.v[e];
-              ab[e] = nacc == 2 ? cb.v[e] : A(0);
-            }
+          for (int e = 0; e < kPack; ++e) {
+            as[e] = cs.v[e];
+            ab[e] = nacc == 2 ? cb.v[e] : A(0);
           }
           store_pack(dxr + p * kPack,
                      pack_dx<T, kPack>(xp[k], dp[k], load_pack<T, kPack>(scale + p * kPack), mean, rstd, mg, mgx,
                                        as, ab));  // rms_norm: ab is added to but never stored
-          if constexpr (kSmemAcc) {
-            Pack<A, kPack> cs, cb;
+          Pack<A, kPack> ns, nb;
 #pragma unroll
-            for (int e = 0; e < kPack; ++e) {
-              cs.v[e] = as[e];
-              cb.v[e] = ab[e];
-            }
-            store_pack(sacc + p * kPack, cs);
-            if (nacc == 2) store_pack(sacc + s.cols + p * kPack, cb);
+          for (int e = 0; e < kPack; ++e) {
+            ns.v[e] = as[e];
+            nb.v[e] = ab[e];
           }
+          store_pack(sacc + p * kPack, ns);
+          if (nacc == 2) store_pack(sacc + s.cols + p * kPack, nb);
         }
       }
       if (row + 1 < end) {
@@ -899,8 +889,8 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
       if (p < npacks) {
 #pragma unroll
         for (int e = 0; e < kPack; ++e) {
-          out[p * kPack + e] = kSmemAcc ? sacc[p * kPack + e] : acc_s[k][e];
-          if (nacc == 2) out[s.cols + p * kPack + e] = kSmemAcc ? sacc[s.cols + p * kPack + e] : acc_b[k][e];
+          out[p * kPack + e] = sacc[p * kPack + e];
+          if (nacc == 2) out[s.cols + p * kPack + e] = sacc[s.cols + p * kPack + e];
         }
       }
     }
@@ -908,13 +898,18 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
 }
 
 // dscale[g][c] (and dbias) = sum over the first `used` slots of group g, in slot order.
-// Block (32 columns) x (8 slot lanes): lane y adds slots y, y + 8, ...; the 8 lane sums are
-// then added in lane order, so the result does not depend on the launch. The 1-D grid walks
-// column tiles fastest, then (group, accumulator) pairs.
+// Block (32 columns) x (kSlotLanes slot lanes): lane y adds slots y, y + kSlotLanes, ...; the
+// lane sums are then added in lane order, so the result does not depend on the launch. The 1-D
+// grid walks column tiles fastest, then (group, accumulator) pairs. nvcc unrolls the slot loop
+// 16 deep (16 loads in flight a thread): with 8 lanes (sessions 1-5) a 4096-column backward's 528
+// slots took 4-5 such round trips per thread on 256 blocks, 1024 columns (264 slots) 2-3 on
+// only 64 blocks; 32 lanes (session 6) take 1-2 and 4x the warps (H100: 0-4 us faster a backward).
+constexpr int kSlotLanes = 32;
+
 template <class T>
-__global__ void __launch_bounds__(256) reduce_slots(BackwardArgs a, int64_t used) {
+__global__ void __launch_bounds__(32 * kSlotLanes) reduce_slots(BackwardArgs a, int64_t used) {
   using A = acc_t<T>;
-  __shared__ A part[8][33];
+  __shared__ A part[kSlotLanes][33];
   const Shape s = a.shape;
   const int nacc = num_acc(s.rms);
   const int64_t tiles = (s.cols + 31) / 32;
@@ -924,13 +919,13 @@ __global__ void __launch_bounds__(256) reduce_slots(BackwardArgs a, int64_t used
   const int which = static_cast<int>(pair % nacc);
   A sum = 0;
   if (c < s.cols)
-    for (int64_t j = threadIdx.y; j < used; j += 8) sum += slot_ptr<T>(a, g, j)[which * s.cols + c];
+    for (int64_t j = threadIdx.y; j < used; j += kSlotLanes) sum += slot_ptr<T>(a, g, j)[which * s.cols + c];
   part[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();
   if (threadIdx.y == 0 && c < s.cols) {
     A total = 0;
 #pragma unroll
-    for (int y = 0; y < 8; ++y) total += part[y][threadIdx.x];
+    for (int y = 0; y < kSlotLanes; ++y) total += part[y][threadIdx.x];
     T* out = static_cast<T*>(which == 0 ? a.dscale : a.dbias);
     out[g * s.cols + c] = from_acc<T>(total);
   }

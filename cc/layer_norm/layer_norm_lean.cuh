@@ -69,18 +69,31 @@ __device__ __forceinline__ Pack<T, kPack> pack_floats(const float (&v)[kPack]) {
 template <class T, int kPack, int kPacks, int kRows>
 constexpr bool kLeanKeepFloats = kRows * kPacks * kPack <= 16;
 
+// Per-kernel constants of the lean forward kernels (forward_lean, forward_block_lean), in the
+// order the kernels unpack them: const auto [inv_cols, eps, x, y, scale, bias] = lean_setup<T>(a).
+template <class T>
+struct LeanSetup {
+  float inv_cols;  // 1 / cols, once per kernel (no division per row)
+  float eps;
+  const T* x;
+  T* y;
+  const T* scale;
+  const T* bias;
+};
+
+template <class T>
+__device__ __forceinline__ LeanSetup<T> lean_setup(const ForwardArgs& a) {
+  return {1.0f / static_cast<float>(a.shape.cols), static_cast<float>(a.shape.epsilon), static_cast<const T*>(a.x),
+          static_cast<T*>(a.y), static_cast<const T*>(a.scale), static_cast<const T*>(a.bias)};
+}
+
 template <class T, int kPack, int kPacks, int kWidth, int kRows, bool kRms>
 __device__ __forceinline__ void forward_lean_body(const ForwardArgs& a) {
   constexpr bool kKeep = kLeanKeepFloats<T, kPack, kPacks, kRows>;
   const Shape& s = a.shape;
   const int teams = blockDim.x / kWidth, team = threadIdx.x / kWidth, lane = threadIdx.x % kWidth;
   const int npacks = static_cast<int>(s.cols / kPack);  // <= 32 * 8 here
-  const float inv_cols = 1.0f / static_cast<float>(s.cols);
-  const float eps = static_cast<float>(s.epsilon);
-  const T* x = static_cast<const T*>(a.x);
-  T* y = static_cast<T*>(a.y);
-  const T* scale = static_cast<const T*>(a.scale);
-  const T* bias = static_cast<const T*>(a.bias);
+  const auto [inv_cols, eps, x, y, scale, bias] = lean_setup<T>(a);
   // One group only (the launcher sends vmapped per-example parameters to forward_team). Narrow
   // rows (one pack a lane) keep the scale/bias packs for the whole kernel; wide rows re-load them
   // per row (L1 hits): holding kPacks x 2 packs more spilled.

@@ -1,6 +1,8 @@
 // Session 5: the lean register-row backward (`backward_rows_lean`) for bfloat16 / float16 rows of
 // 2048-8192 columns (8-element packs, kPacks a thread, one block per row, one slot of rows per
-// block). Rewritten from backward_rows<bf16,8,2,0> (99 registers, 25 % occupancy, ~40 issued
+// block); session 6: also 520-1024 columns, one pack a thread (kPacks 1, 96-128 threads), and
+// the next row prefetched at 520-4096 columns (kPrefetch; 8192 columns keep session 5's kernel).
+// Rewritten from backward_rows<bf16,8,2,0> (99 registers, 25 % occupancy, ~40 issued
 // thread-instructions per element, 0.5 issues per cycle, DRAM 56-61 %):
 //  - the dscale / dbias column sums live in dynamic shared memory, [nacc][cols] floats, each
 //    thread touching only its own columns (16-byte chunks, threads adjacent: conflict free, no
@@ -20,8 +22,14 @@
 
 namespace jaxops::layer_norm {
 
-// 64 registers at most: 2 blocks of 512 threads (8192 columns) or 4 of 256 (4096) per SM.
-constexpr int kLeanRowsMaxThreads = 512;
+// 64 registers at most: 2 blocks of 512 threads (8192 columns) or 4 of 256 (4096) per SM; one
+// pack a thread (kPacks 1, 520-1024 columns, session 6, always with the prefetch): 8 blocks of
+// <= 128 threads. Two packs with the next row prefetched (session 6, <= 4096 columns): 16 more
+// registers, 3 blocks of 256.
+template <int kPacks, bool kPrefetch>
+constexpr int lean_rows_max_threads() { return kPacks == 1 ? 128 : kPrefetch ? 256 : 512; }
+template <int kPacks, bool kPrefetch>
+constexpr int lean_rows_min_blocks() { return kPacks == 1 ? 8 : kPrefetch ? 3 : 2; }
 
 // Block-wide sums of two floats, every thread gets both, in a fixed order (deterministic): warp
 // trees, then every warp adds the per-warp partials with the same lane tree. block_sum2's serial
@@ -39,7 +47,13 @@ __device__ __forceinline__ void block_sum2_lean(float& a, float& b, float2* scra
   b = cuda::warp_reduce<cuda::SumOp>(v.y);
 }
 
-template <class T, int kPack, int kPacks, bool kRms>
+// kPrefetch (session 6): the next row's x, dy, mean and rstd are loaded right after the first
+// pass, so they are in flight during the row reduction's barriers and the second pass (+8
+// registers a pack a thread); otherwise they are loaded after dx is written. (Session 4's
+// prefetch lost 2-4 % in the 99-register, instruction-bound backward_rows; this kernel issues
+// ~29-37 instructions an element instead of ~40.) H100, session 6, bf16 layer_norm_bwd: 1024
+// columns 159.1 -> 151.6 us with the prefetch, 4096 columns 163.7 -> 158.9.
+template <class T, int kPack, int kPacks, bool kRms, bool kPrefetch>
 __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, int64_t used, float2* scratch) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* sacc = reinterpret_cast<float*>(smem_raw);  // [kNacc][cols], thread-owned columns
@@ -97,6 +111,15 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
           }
         }
       }
+      Pack<T, kPack> xn[kPacks], dn[kPacks];
+      float mean_n = 0.0f, rstd_n = 0.0f;
+      if constexpr (kPrefetch) {
+        if (row + 1 < end) {
+          load_row_packs<T, kPack, kPacks>(x, dy, row + 1, s.cols, npacks, xn, dn);
+          if constexpr (!kRms) mean_n = means[row + 1];
+          rstd_n = rstds[row + 1];
+        }
+      }
       block_sum2_lean(sum_g, sum_gxm, scratch);
       const float mgx = sum_gxm * rstd * inv_cols;  // mean(g * xhat)
       const float c1 = -rstd * mgx;
@@ -148,9 +171,19 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
         }
       }
       if (row + 1 < end) {
-        load_row_packs<T, kPack, kPacks>(x, dy, row + 1, s.cols, npacks, xp, dp);
-        if constexpr (!kRms) mean = means[row + 1];
-        rstd = rstds[row + 1];
+        if constexpr (kPrefetch) {
+#pragma unroll
+          for (int k = 0; k < kPacks; ++k) {
+            xp[k] = xn[k];
+            dp[k] = dn[k];
+          }
+          mean = mean_n;
+          rstd = rstd_n;
+        } else {
+          load_row_packs<T, kPack, kPacks>(x, dy, row + 1, s.cols, npacks, xp, dp);
+          if constexpr (!kRms) mean = means[row + 1];
+          rstd = rstds[row + 1];
+        }
       }
     }
     // Each thread owns its columns for the whole slot: copy them to the slot's partial row.
@@ -169,12 +202,14 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
   }
 }
 
-template <class T, int kPack, int kPacks>
-__global__ void __launch_bounds__(kLeanRowsMaxThreads, 2) backward_rows_lean(BackwardArgs a, int64_t used) {
+template <class T, int kPack, int kPacks, bool kPrefetch = false>
+__global__ void __launch_bounds__(lean_rows_max_threads<kPacks, kPrefetch>(),
+                                  lean_rows_min_blocks<kPacks, kPrefetch>())
+    backward_rows_lean(BackwardArgs a, int64_t used) {
   static_assert(sizeof(T) == 2 && kPack == 8, "8-element packs of bfloat16 / float16");
   __shared__ float2 scratch[32];  // (one array for both bodies)
-  if (a.shape.rms) backward_rows_lean_body<T, kPack, kPacks, true>(a, used, scratch);
-  else backward_rows_lean_body<T, kPack, kPacks, false>(a, used, scratch);
+  if (a.shape.rms) backward_rows_lean_body<T, kPack, kPacks, true, kPrefetch>(a, used, scratch);
+  else backward_rows_lean_body<T, kPack, kPacks, false, kPrefetch>(a, used, scratch);
 }
 
 }  // namespace jaxops::layer_norm
