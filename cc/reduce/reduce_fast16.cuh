@@ -96,7 +96,23 @@ __device__ __forceinline__ uint32_t beats2(V x, V run) {
   return better & __heq2_mask(run, run);
 }
 
-__device__ __forceinline__ uint4 load16(const void* p) { return *static_cast<const uint4*>(p); }
+// 16 bytes (8 two-byte elements) at p. kVec: one 16-byte vector load (p 16-byte aligned); otherwise
+// eight 2-byte loads into the same register image, for a base pointer that is not 16-byte
+// aligned. The launcher picks kVec from the pointer, but the tile, slots and order of every
+// operation are the same either way: results never depend on where XLA put the operand.
+template <bool kVec, class T>
+__device__ __forceinline__ uint4 load16(const T* p) {
+  static_assert(sizeof(T) == 2, "16-byte packs of 2-byte elements");
+  if constexpr (kVec) {
+    return *reinterpret_cast<const uint4*>(p);
+  } else {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = static_cast<uint32_t>(h[2 * i]) | (static_cast<uint32_t>(h[2 * i + 1]) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
 
 __device__ __forceinline__ uint32_t word(const uint4& q, int i) {
   return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
@@ -124,7 +140,7 @@ __device__ __forceinline__ void arg16_seed(V (&run)[4], uint32_t (&pk_no)[4], co
 // pack k has index idx0 + k * idx_step + j * slot_step. U packs are loaded before their use;
 // the first pack of a segment seeds the slots (so an element equal to the identity, e.g. -inf
 // for argmax, still gets its index), inside the first block of U loads when there is one.
-template <class Op, class T, int U, class Idx>
+template <class Op, class T, int U, bool kVec, class Idx>
 __device__ __forceinline__ void arg16_stream(typename Op::State (&st)[8], const T* p, Idx count, Idx step,
                                              Idx idx0, Idx idx_step, int slot_step) {
   using V = typename Vec2<T>::type;
@@ -138,24 +154,24 @@ __device__ __forceinline__ void arg16_stream(typename Op::State (&st)[8], const 
     if (m >= U) {
       uint4 pk[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) pk[u] = load16(q + u * step);
+      for (int u = 0; u < U; ++u) pk[u] = load16<kVec>(q + u * step);
       arg16_seed(run, pk_no, pk[0]);
 #pragma unroll
       for (int u = 1; u < U; ++u) arg16_update<kMax>(run, pk_no, pk[u], static_cast<uint32_t>(u) * 0x00010001u);
       k = U;
     } else {
-      arg16_seed(run, pk_no, load16(q));
+      arg16_seed(run, pk_no, load16<kVec>(q));
       k = 1;
     }
     q += k * step;
     for (; k + U - 1 < m; k += U, q += U * step) {
       uint4 pk[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) pk[u] = load16(q + u * step);
+      for (int u = 0; u < U; ++u) pk[u] = load16<kVec>(q + u * step);
 #pragma unroll
       for (int u = 0; u < U; ++u) arg16_update<kMax>(run, pk_no, pk[u], static_cast<uint32_t>(k + u) * 0x00010001u);
     }
-    for (; k < m; ++k, q += step) arg16_update<kMax>(run, pk_no, load16(q), static_cast<uint32_t>(k) * 0x00010001u);
+    for (; k < m; ++k, q += step) arg16_update<kMax>(run, pk_no, load16<kVec>(q), static_cast<uint32_t>(k) * 0x00010001u);
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
 #pragma unroll
@@ -172,7 +188,7 @@ __device__ __forceinline__ void arg16_stream(typename Op::State (&st)[8], const 
 
 // max/min of `count` packs p, p + step, ... into st[0..8) (slot j: element j of each pack): one
 // packed NaN-propagating max/min per 2 elements. No index, so no seed: the identity starts it.
-template <class Op, class T, int U, class Idx>
+template <class Op, class T, int U, bool kVec, class Idx>
 __device__ __forceinline__ void ext16_stream(typename Op::State (&st)[8], const T* p, Idx count, Idx step) {
   using V = typename Vec2<T>::type;
   constexpr bool kMax = Op::kIsMax;
@@ -184,14 +200,14 @@ __device__ __forceinline__ void ext16_stream(typename Op::State (&st)[8], const 
   for (; k + U - 1 < count; k += U, p += U * step) {
     uint4 pk[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) pk[u] = load16(p + u * step);
+    for (int u = 0; u < U; ++u) pk[u] = load16<kVec>(p + u * step);
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int w = 0; w < 4; ++w) run[w] = extremum2<kMax>(run[w], as_vec2<V>(word(pk[u], w)));
   }
   for (; k < count; ++k, p += step) {
-    const uint4 pk = load16(p);
+    const uint4 pk = load16<kVec>(p);
 #pragma unroll
     for (int w = 0; w < 4; ++w) run[w] = extremum2<kMax>(run[w], as_vec2<V>(word(pk, w)));
   }
@@ -254,18 +270,18 @@ __device__ __forceinline__ void lse16_block(float& m, float (&acc)[4], const uin
 }
 
 // logsumexp of the packs x + first, x + first + stride, ... below end, into s.
-template <class Op, class T, int U, class Idx>
+template <class Op, class T, int U, bool kVec, class Idx>
 __device__ __forceinline__ void lse16_span(typename Op::State& s, const T* x, Idx first, Idx end, Idx stride) {
   float m = -INFINITY, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   Idx c = first;
   for (; c + (U - 1) * stride < end; c += U * stride) {
     uint4 pk[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) pk[u] = load16(x + c + u * stride);
+    for (int u = 0; u < U; ++u) pk[u] = load16<kVec>(x + c + u * stride);
     lse16_block<T, U>(m, acc, pk);
   }
   for (; c < end; c += stride) {
-    const uint4 pk[1] = {load16(x + c)};
+    const uint4 pk[1] = {load16<kVec>(x + c)};
     lse16_block<T, 1>(m, acc, pk);
   }
   s = Op::merge(s, {m, (acc[0] + acc[1]) + (acc[2] + acc[3])});

@@ -16,6 +16,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "common/cuda_util.cuh"
@@ -94,6 +95,22 @@ __device__ __forceinline__ typename Op::State fold_rows(const typename Op::State
   return a;
 }
 
+// P elements at p. V: one vector load (p aligned to the pack); otherwise P element loads into
+// the same pack, for a base pointer that is not 16-byte aligned. Only the load instruction
+// differs: the tile, the slots and the order of every addition are the same, so a result
+// never depends on the operand's address (perf6 determinism rule).
+template <class T, int P, bool V>
+__device__ __forceinline__ Pack<T, P> load_pack_v(const T* p) {
+  if constexpr (V || P == 1) {
+    return load_pack<T, P>(p);
+  } else {
+    Pack<T, P> pk;
+#pragma unroll
+    for (int j = 0; j < P; ++j) pk.v[j] = p[j];
+    return pk;
+  }
+}
+
 // Writes a finished result (or, with `ws`, the partial state) for output `at`.
 template <class Op, class T>
 __device__ __forceinline__ void emit(void* y, typename Op::State* ws, int64_t at,
@@ -142,9 +159,14 @@ constexpr int min_blocks_for(int element_bytes, int state_bytes, int threads) {
   const int blocks_of_256 = element_bytes <= 2 ? 3 : element_bytes >= 8 ? 2 : state_bytes == 4 ? 5 : 4;
   return (blocks_of_256 * 256 + threads - 1) / threads;  // rounded up: 512 threads keep >= as many threads
 }
-template <class Op, class T, int P>
+// V == false (element loads for a misaligned base, see load_pack_v): a 16-byte pack is P loads
+// into P registers, so the budgets above spill (ptxas: up to 76 bytes in the bf16 arg/logsumexp
+// kernels, 4 in f32 max columns); those variants promise >= 2 blocks (<= 128 registers) instead.
+// Occupancy only: the tiles and the order of operations stay those of the vector-load kernel.
+template <class Op, class T, int P, bool V = true>
 constexpr int min_blocks(int threads) {
-  if constexpr (f32_wide<Op, T, P>()) return (4 * 256 + threads - 1) / threads;
+  if constexpr (!V && P > 1) return (2 * 256 + threads - 1) / threads;
+  else if constexpr (f32_wide<Op, T, P>()) return (4 * 256 + threads - 1) / threads;
   else return min_blocks_for(static_cast<int>(sizeof(T)), static_cast<int>(sizeof(typename Op::State)), threads);
 }
 template <class T>
@@ -171,7 +193,7 @@ __device__ __forceinline__ typename Op::State fold_slots(typename Op::State (&ac
 }
 
 // The generic loop of add_span (below).
-template <class Op, class T, int P, int U, int S, class Idx>
+template <class Op, class T, int P, bool V, int U, int S, class Idx>
 __device__ __forceinline__ void add_span_generic(typename Op::State& s, const T* x, Idx begin, Idx end, int t,
                                                  int nthreads) {
   typename Op::State acc[S];
@@ -182,14 +204,14 @@ __device__ __forceinline__ void add_span_generic(typename Op::State& s, const T*
   for (; c + (U - 1) * stride < end; c += U * stride) {
     Pack<T, P> pk[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) pk[u] = load_pack<T, P>(x + c + u * stride);
+    for (int u = 0; u < U; ++u) pk[u] = load_pack_v<T, P, V>(x + c + u * stride);
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int j = 0; j < P; ++j) Op::add(acc[j % S], to_acc(pk[u].v[j]), c + u * stride + j);
   }
   for (; c < end; c += stride) {
-    const Pack<T, P> pk = load_pack<T, P>(x + c);
+    const Pack<T, P> pk = load_pack_v<T, P, V>(x + c);
 #pragma unroll
     for (int j = 0; j < P; ++j) Op::add(acc[j % S], to_acc(pk.v[j]), c + j);
   }
@@ -205,7 +227,7 @@ __device__ __forceinline__ void add_span_generic(typename Op::State& s, const T*
 // elements in increasing index order, as the arg ops' tie rule assumes of add().
 // 16-byte packs of bf16/f16 take the packed arg/logsumexp loops of reduce_fast16.cuh instead.
 // Idx is int where the span is known to fit (warp rows: n <= kWarpRowMax): fewer registers.
-template <class Op, class T, int P, class Idx = int64_t>
+template <class Op, class T, int P, bool V, class Idx = int64_t>
 __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx begin, Idx end, int t,
                                          int nthreads) {
   constexpr int U = unroll_for<Op, T, P>(), S = slots_for<P>();
@@ -215,22 +237,22 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
       typename Op::State st[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) st[j] = Op::identity();
-      arg16_stream<Op, T, U, Idx>(st, x + first, (end - first + stride - 1) / stride, stride, first, stride, 1);
+      arg16_stream<Op, T, U, V, Idx>(st, x + first, (end - first + stride - 1) / stride, stride, first, stride, 1);
       s = Op::merge(s, fold_slots<Op, 8>(st));
     }
   } else if constexpr (lse16_path<Op, T, P>()) {
-    lse16_span<Op, T, U, Idx>(s, x, begin + static_cast<Idx>(t) * P, end, static_cast<Idx>(nthreads) * P);
+    lse16_span<Op, T, U, V, Idx>(s, x, begin + static_cast<Idx>(t) * P, end, static_cast<Idx>(nthreads) * P);
   } else if constexpr (ext16_path<Op, T, P>()) {
     const Idx stride = static_cast<Idx>(nthreads) * P, first = begin + static_cast<Idx>(t) * P;
     if (first < end) {
       typename Op::State st[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) st[j] = Op::identity();
-      ext16_stream<Op, T, U, Idx>(st, x + first, (end - first + stride - 1) / stride, stride);
+      ext16_stream<Op, T, U, V, Idx>(st, x + first, (end - first + stride - 1) / stride, stride);
       s = Op::merge(s, fold_slots<Op, 8>(st));
     }
   } else {
-    add_span_generic<Op, T, P, U, S, Idx>(s, x, begin, end, t, nthreads);
+    add_span_generic<Op, T, P, V, U, S, Idx>(s, x, begin, end, t, nthreads);
   }
 }
 
@@ -239,8 +261,8 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
 // (a 1024-long bf16 row is 128 packs: 16 lanes x 8, two rows per warp); never fewer than 8
 // lanes, so every warp load covers whole 128-byte segments. Group merges use xor shuffles
 // with offsets < group, which stay inside the aligned group of lanes.
-template <class Op, class T, int P>
-__global__ void __launch_bounds__(256, min_blocks<Op, T, P>(256))
+template <class Op, class T, int P, bool V>
+__global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
     row_warp_kernel(const T* __restrict__ x, void* y, int64_t rows, int64_t n, int group) {
   const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
   const int per_warp = 32 / group;
@@ -248,7 +270,7 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P>(256))
        row0 += static_cast<int64_t>(gridDim.x) * warps * per_warp) {  // warp-uniform loop
     const int64_t row = row0 + lane / group;
     auto s = Op::identity();
-    if (row < rows) add_span<Op, T, P, int>(s, x + row * n, 0, static_cast<int>(n), lane % group, group);
+    if (row < rows) add_span<Op, T, P, V, int>(s, x + row * n, 0, static_cast<int>(n), lane % group, group);
     for (int offset = group / 2; offset > 0; offset /= 2) s = Op::merge(s, shfl_xor_state(s, offset));
     if (lane % group == 0 && row < rows) emit<Op, T>(y, nullptr, row, s, n);
   }
@@ -257,8 +279,8 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P>(256))
 // inner == 1: block b = row * splits + split reduces x[row, split*chunk : (split+1)*chunk].
 // With ws it writes the partial state ws[b] (merged by merge_kernel); otherwise (splits == 1)
 // the finished y[row].
-template <class Op, class T, int P>
-__global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, P>(max_row_block_threads<T>()))
+template <class Op, class T, int P, bool V>
+__global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, P, V>(max_row_block_threads<T>()))
     row_block_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t rows, int64_t n,
                      int64_t splits, int64_t chunk) {
   for (int64_t b = blockIdx.x; b < rows * splits; b += gridDim.x) {
@@ -266,7 +288,7 @@ __global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, 
     const int64_t begin = split * chunk;
     const int64_t end = begin + chunk < n ? begin + chunk : n;
     auto s = Op::identity();
-    if (begin < end) add_span<Op, T, P>(s, x + row * n, begin, end, threadIdx.x, blockDim.x);
+    if (begin < end) add_span<Op, T, P, V>(s, x + row * n, begin, end, threadIdx.x, blockDim.x);
     s = block_merge<Op>(s);
     if (threadIdx.x == 0) emit<Op, T>(y, ws, b, s, n);
   }
@@ -276,8 +298,8 @@ __global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, 
 // [tile*TX*P, ...) of rows [split*chunk, ...) of slab o. Thread (tx, ty) keeps P column states
 // over rows ty, ty + TY, ...; the TY states per column are folded through shared memory.
 // With ws (splits > 1) it writes partial states ws[o, split, c], merged by merge_kernel.
-template <class Op, class T, int P>
-__global__ void __launch_bounds__(256, min_blocks<Op, T, P>(256))
+template <class Op, class T, int P, bool V>
+__global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
     column_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t outer, int64_t n,
                   int64_t inner, int64_t splits, int64_t chunk, int64_t tiles) {
   using S = typename Op::State;
@@ -295,13 +317,13 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P>(256))
     if constexpr (arg16_path<Op, T, P>()) {  // packed bf16/f16 loop (reduce_fast16.cuh)
       const int64_t r0 = begin + ty;
       if (col < inner && r0 < end)
-        arg16_stream<Op, T, unroll_for<Op, T, P>(), int64_t>(s, x + (o * n + r0) * inner + col,
+        arg16_stream<Op, T, unroll_for<Op, T, P>(), V, int64_t>(s, x + (o * n + r0) * inner + col,
                                                              (end - r0 + TY - 1) / TY, static_cast<int64_t>(TY) * inner,
                                                              r0, TY, 0);
     } else if constexpr (ext16_path<Op, T, P>()) {
       const int64_t r0 = begin + ty;
       if (col < inner && r0 < end)
-        ext16_stream<Op, T, unroll_for<Op, T, P>(), int64_t>(
+        ext16_stream<Op, T, unroll_for<Op, T, P>(), V, int64_t>(
             s, x + (o * n + r0) * inner + col, (end - r0 + TY - 1) / TY, static_cast<int64_t>(TY) * inner);
     } else if (col < inner) {
       const T* xo = x + o * n * inner + col;
@@ -310,14 +332,14 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P>(256))
       for (; r + (U - 1) * TY < end; r += U * TY) {
         Pack<T, P> pk[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) pk[u] = load_pack<T, P>(xo + (r + u * TY) * inner);
+        for (int u = 0; u < U; ++u) pk[u] = load_pack_v<T, P, V>(xo + (r + u * TY) * inner);
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
           for (int j = 0; j < P; ++j) Op::add(s[j], to_acc(pk[u].v[j]), r + u * TY);
       }
       for (; r < end; r += TY) {
-        const Pack<T, P> pk = load_pack<T, P>(xo + r * inner);
+        const Pack<T, P> pk = load_pack_v<T, P, V>(xo + r * inner);
 #pragma unroll
         for (int j = 0; j < P; ++j) Op::add(s[j], to_acc(pk.v[j]), r);
       }
@@ -394,7 +416,7 @@ cudaError_t merge_partials(const typename Op::State* ws, void* y, const Plan& p,
   return cudaGetLastError();
 }
 
-template <class Op, class T, int P>
+template <class Op, class T, int P, bool V>
 cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan& p, cudaStream_t stream) {
   const int64_t n = p.reduced;
   if (p.splits == 1 && n <= kWarpRowMax) {
@@ -403,8 +425,8 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
     int group = 32;
     while (group > kMinRowLanes && static_cast<int64_t>(group) * unroll_for<Op, T, P>() > packs) group /= 2;
     const int64_t rows_per_block = kWarps * (32 / group);
-    row_warp_kernel<Op, T, P><<<grid_for((p.outer + rows_per_block - 1) / rows_per_block), kWarps * 32, 0,
-                                stream>>>(x, y, p.outer, n, group);
+    row_warp_kernel<Op, T, P, V><<<grid_for((p.outer + rows_per_block - 1) / rows_per_block), kWarps * 32, 0,
+                                   stream>>>(x, y, p.outer, n, group);
     return cudaGetLastError();
   }
   // Chunks are whole packs; chunk >= n / splits so `splits` chunks cover the row.
@@ -412,32 +434,47 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
   chunk = (chunk + P - 1) / P * P;
   const int threads = chunk >= 32768 ? max_row_block_threads<T>() : 256;
   const bool split = p.splits > 1;
-  row_block_kernel<Op, T, P><<<grid_for(p.outer * p.splits), threads, 0, stream>>>(
+  row_block_kernel<Op, T, P, V><<<grid_for(p.outer * p.splits), threads, 0, stream>>>(
       x, y, split ? ws : nullptr, p.outer, n, p.splits, chunk);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess || !split) return err;
   return merge_partials<Op, T>(ws, y, p, stream);
 }
 
-template <class Op, class T, int P>
+template <class Op, class T, int P, bool V>
 cudaError_t launch_columns(const T* x, void* y, typename Op::State* ws, const Plan& p, cudaStream_t stream) {
   const int TX = pow2_at_least((p.inner + P - 1) / P, 32), TY = kBlockThreads / TX;
   const int64_t tiles = (p.inner + TX * P - 1) / (TX * P);
   const int64_t chunk = (p.reduced + p.splits - 1) / p.splits;
   const size_t smem = sizeof(typename Op::State) * P * kBlockThreads;
   const bool split = p.splits > 1;
-  column_kernel<Op, T, P><<<grid_for(p.outer * p.splits * tiles), dim3(TX, TY), smem, stream>>>(
+  column_kernel<Op, T, P, V><<<grid_for(p.outer * p.splits * tiles), dim3(TX, TY), smem, stream>>>(
       x, y, split ? ws : nullptr, p.outer, p.reduced, p.inner, p.splits, chunk, tiles);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess || !split) return err;
   return merge_partials<Op, T>(ws, y, p, stream);
 }
 
-template <class Op, class T, int P>
-cudaError_t launch_wide(const T* x, typename Op::State* ws, const Plan& p, cudaStream_t stream) {
-  return p.inner == 1 ? launch_rows<Op, T, P>(x, p.y, ws, p, stream) : launch_columns<Op, T, P>(x, p.y, ws, p, stream);
+template <class Op, class T, int P, bool V>
+cudaError_t launch_view(const T* x, typename Op::State* ws, const Plan& p, cudaStream_t stream) {
+  return p.inner == 1 ? launch_rows<Op, T, P, V>(x, p.y, ws, p, stream)
+                      : launch_columns<Op, T, P, V>(x, p.y, ws, p, stream);
 }
 
-// Picks the kernel for one (Op, T). Packs are 16 bytes when the contiguous extent and the
-// base pointer allow it, otherwise single elements (no intermediate widths: fewer kernels).
+// Test hook: JAXOPS_REDUCE_ELEMENT_LOADS=1 runs 16-byte-packed plans with element loads even on
+// an aligned operand (XLA hands out aligned buffers, so tests could not reach that path
+// otherwise); tests/test_reductions.py checks the results are bit-identical to vector loads.
+inline bool force_element_loads() {
+  static const bool on = [] {
+    const char* e = std::getenv("JAXOPS_REDUCE_ELEMENT_LOADS");
+    return e != nullptr && std::strcmp(e, "1") == 0;
+  }();
+  return on;
+}
+
+// Picks the kernel for one (Op, T). Packs are 16 bytes when the contiguous extent is a
+// multiple of 16 bytes (a function of the shape only), otherwise single elements (no
+// intermediate widths: fewer kernels). The base pointer's alignment picks only the load
+// instruction (V): a 16-byte-packed plan on a misaligned operand runs the same tiles and
+// the same order of operations with element loads, so results do not depend on the address.
 template <class Op, class T>
 cudaError_t launch(const Plan& p, cudaStream_t stream) {
   using S = typename Op::State;
@@ -447,9 +484,10 @@ cudaError_t launch(const Plan& p, cudaStream_t stream) {
   const T* x = static_cast<const T*>(p.x);
   S* ws = static_cast<S*>(p.ws);
   const int64_t contiguous = p.inner == 1 ? p.reduced : p.inner;
-  const bool wide = contiguous % kPack == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  if (wide) return launch_wide<Op, T, kPack>(x, ws, p, stream);
-  return p.inner == 1 ? launch_rows<Op, T, 1>(x, p.y, ws, p, stream) : launch_columns<Op, T, 1>(x, p.y, ws, p, stream);
+  if (contiguous % kPack != 0) return launch_view<Op, T, 1, true>(x, ws, p, stream);
+  if (reinterpret_cast<uintptr_t>(x) % 16 == 0 && !force_element_loads())
+    return launch_view<Op, T, kPack, true>(x, ws, p, stream);
+  return launch_view<Op, T, kPack, false>(x, ws, p, stream);
 }
 
 }  // namespace jaxops::reduce::kernels
