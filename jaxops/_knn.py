@@ -4,8 +4,11 @@ How it runs: distances come from the GEMM expansion ``||q||^2 + ||r||^2 - 2 q.r`
 references are cut into tiles; for each tile XLA's own float32 dot (``precision=HIGHEST``, so
 no TF32) computes ``q.r``, and one jaxops kernel fuses the rest of the epilogue with the
 k-selection of the tile and the merge into each query's running top-k list, carried across
-tiles by ``lax.scan``. The distance matrix is never materialised beyond one tile (at most
-512 MB), so m = 10000 queries against n = 2^20 references fit easily on one GPU. When there are
+tiles by ``lax.scan``. The distance matrix is never materialised beyond one tile of 2^28
+float32 distances (1 GB): XLA's temporaries are ~1.2 GB for float32/16-bit inputs with
+k <= 2048, ~3.3 GB for float64 inputs or k > 2048 (XLA-sort path), ~4.3 GB for both, plus
+a padded copy of the references when n is not a multiple of the tile width. So m = 10000
+queries against n = 2^20 references fit easily on one GPU. When there are
 few queries the reference tiles are also split across independent lists (more parallelism on
 the GPU), merged at the end with one small sort.
 
@@ -15,6 +18,7 @@ index). The kernel ranks by exactly this total order, so results are determinist
 from __future__ import annotations
 
 import math
+import os
 from functools import partial
 
 import jax
@@ -23,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from jaxops._checks import check_float
-from jaxops._ffi import ffi_call
+from jaxops._ffi import _check_backend
 from jaxops._sharding import Rule, sharded_call
 
 __all__ = ["knn", "knn_classify"]
@@ -31,13 +35,29 @@ __all__ = ["knn", "knn_classify"]
 # The jaxops kernel handles k up to this; larger k merges tiles with an XLA sort instead
 # (correct on every platform, just slower).
 _MAX_KERNEL_K = 2048
-# Elements of one distance tile (float32): 2^27 = 512 MB bounds the working set.
-_TILE_ELEMS = 1 << 27
+# Elements of one distance tile (float32): 2^28 = 1 GB of distances bounds the working set
+# (H100, session 6: 2^28 is ~2.5 % faster than 2^27 and ~8 % faster than 2^26).
+_TILE_ELEMS = 1 << 28
 _MIN_TILE_COLS = 1024
 # Below this many queries the GPU has too few rows to stream; split the references.
 _SPLIT_BELOW_ROWS = 1024
 _MIN_SPLIT_COLS = 4096
 _INT32_MAX = np.iinfo(np.int32).max
+# TEMPORARY measurement hook, not user API (to be deleted with the session-6 tile measurement):
+# JAXOPS_KNN_TILE_LOG2=NN, read when a call is traced, uses 2^NN-element tiles instead of
+# _TILE_ELEMS. The plan is a static argument of the jitted search, so set it before the first call.
+_TILE_LOG2_ENV = "JAXOPS_KNN_TILE_LOG2"
+
+
+def _tile_elems() -> int:
+    """Elements of one distance tile: _TILE_ELEMS, or 2^NN where JAXOPS_KNN_TILE_LOG2=NN."""
+    value = os.environ.get(_TILE_LOG2_ENV, "").strip()
+    if not value:
+        return _TILE_ELEMS
+    if not value.isdigit() or not 10 <= int(value) <= 30:
+        raise ValueError(f"jaxops.knn: {_TILE_LOG2_ENV} must be an integer in [10, 30], "
+                         f"got {value!r}")
+    return 1 << int(value)
 
 
 def knn(queries: jax.typing.ArrayLike, refs: jax.typing.ArrayLike, k: int, *,
@@ -164,14 +184,18 @@ def _knn_jvp(k, precision, primals, tangents):
 
 def _plan(m: int, n: int, k: int, kernel: bool):
     """(splits, query tile, column tile, column tiles per split)."""
+    tile_elems = _tile_elems()
     splits = 1
     if kernel and m < _SPLIT_BELOW_ROWS and n >= 2 * _MIN_SPLIT_COLS:
         splits = max(1, min(-(-2 * _SPLIT_BELOW_ROWS // max(m, 1)), n // _MIN_SPLIT_COLS))
     per_split = -(-n // splits)
     tm = m
-    tn_max = max(_MIN_TILE_COLS, _TILE_ELEMS // (splits * max(m, 1)))
-    if splits * tm * _MIN_TILE_COLS > _TILE_ELEMS:
-        tm = max(1, _TILE_ELEMS // (splits * _MIN_TILE_COLS))
+    tn_max = max(_MIN_TILE_COLS, tile_elems // (splits * max(m, 1)))
+    if splits * tm * _MIN_TILE_COLS > tile_elems:
+        # Query tiles of equal size (fewest tiles of at most tm_max rows): padding m up to a
+        # multiple of tm_max could waste up to a whole tile of GEMM and selection work.
+        tm_max = max(1, tile_elems // (splits * _MIN_TILE_COLS))
+        tm = -(-m // -(-m // tm_max))
         tn_max = _MIN_TILE_COLS
     if splits == 1 and per_split <= tn_max:
         return 1, tm, n, 1  # one tile, no padding
@@ -264,8 +288,15 @@ def _merge_tile(carry, qt, qnt, rt, rnt, base, n, k, kernel, f64, precision):
     rn32 = rnt.astype(jnp.float32)
     out = (jax.ShapeDtypeStruct(prev_d.shape, jnp.float32),
            jax.ShapeDtypeStruct(prev_i.shape, jnp.int32))
-    return tuple(ffi_call("knn", "jaxops_knn_select", out, tile, qn32, rn32, prev_d, prev_i,
-                          base.astype(jnp.int32), vmap_method="broadcast_all", n=n, mode=mode))
+    _check_backend("knn")
+    # The running lists are updated in place (outputs alias prev_d / prev_i): each row's list is
+    # read whole before that row's result is written (kernel: into shared memory; CPU twin: into
+    # a candidate vector), and rows never touch each other's lists. Without the alias XLA copies
+    # the outputs back into the scan's carry every tile (2 x m x k x 4 B a tile).
+    call = jax.ffi.ffi_call("jaxops_knn_select", out, vmap_method="broadcast_all",
+                            input_output_aliases={3: 0, 4: 1})
+    return tuple(call(tile, qn32, rn32, prev_d, prev_i, base.astype(jnp.int32),
+                      n=np.int64(n), mode=np.int64(mode)))
 
 
 def _canonical(dist):
