@@ -8,7 +8,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxops
-from helpers import FLOAT_DTYPES, ON_GPU, assert_close, gpu_only, normal, skip_f64_without_x64
+from helpers import FLOAT_DTYPES, ON_GPU, assert_close, gpu_only, normal, skip_f64_without_x64, tol
 
 OPS = {"softmax": (jaxops.softmax, jax.nn.softmax), "log_softmax": (jaxops.log_softmax, jax.nn.log_softmax)}
 
@@ -288,3 +288,41 @@ def test_inf_and_nan_in_16_bit_packs(name, dtype, cols, key):
     x[26, :] = 60.0  # large equal values: exp(0) everywhere, sum = cols
     x = jnp.asarray(x, dtype)
     assert_close(OPS[name][0](x), reference(name, x), dtype)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("rows,cols", [(37, 262144), (20, 262152), (300, 131072), (1500, 32776), (3000, 5000)])
+def test_lean_backward_over_rows(dtype, rows, cols, key):
+    """The unmasked cached backward on a persistent grid (session 6's lean kernel: y and dy
+    requested by cp.async, each block refilling its cache with its next row while writing dx).
+    float32 at 262144/262152 columns: 16-block clusters of one block an SM, the only plans here
+    whose blocks also have L2 prefetch their next row while the grid reduces (37 and 20 rows:
+    not multiples of the resident clusters, so clusters finish different row counts); every
+    other case runs the kernel without the prefetch. 262152 and 32776: a short last slice in
+    every dtype (262152 float32: the prefetch clamped to it); 131072 and 16-bit 262144: 16-block
+    clusters of several blocks an SM; 32776: 16-block (float32) and 8-block (16-bit) clusters
+    over 1500 rows; 5000 float32: 2-block clusters (16-bit 5000 fits one block: the
+    register-staged kernel). Row 0 of the cotangent carries a NaN and row 1 a +inf (a NaN
+    row and a -inf/NaN row out). Judged against the formula applied to the kernel's own y."""
+    kx, kw = jax.random.split(key)
+    x = normal(kx, (rows, cols), dtype, scale=3.0)
+    w = np.array(normal(kw, (rows, cols), jnp.float32))
+    w[0, 5] = np.nan
+    w[1, 7] = np.inf
+    w = jnp.asarray(w, dtype)
+    for name in OPS:
+        y, vjp = jax.vjp(OPS[name][0], x)
+        yr = y.astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+        g = w.astype(yr.dtype)
+        if name == "softmax":
+            want = yr * (g - jnp.sum(yr * g, axis=-1, keepdims=True))
+        else:
+            want = g - jnp.exp(yr) * jnp.sum(g, axis=-1, keepdims=True)
+        got = vjp(w)[0]
+        assert got.dtype == dtype
+        # Softmax's dx is ~1/cols in size: an absolute tolerance relative to the largest value.
+        scale = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(want), want, 0))))
+        assert_close(got, want, dtype, atol=tol(dtype)["atol"] * scale)
+        assert bool(jnp.all(jnp.isnan(got[0])))
+    assert ON_GPU

@@ -490,6 +490,90 @@ backward_cached(const T* __restrict__ y, const T* __restrict__ dy, const bool* _
   if (nblocks > 1) cluster_sync();
 }
 
+// The unmasked backward for 16-byte packs on a persistent grid (long rows, clusters), built like
+// the lean forward: each thread requests its packs of y and dy by cp.async (the whole slice in
+// flight, no registers held), sums from the cache, and after writing its dx pack i requests
+// pack i of the block's next row into the same two entries (it alone reads and writes them, so
+// no barrier). With prefetch_bytes > 0 (one block per SM only, see l2_prefetch_bytes) L2 also
+// fetches the head of the next row (prefetch_bytes per array) from the moment this row has
+// arrived, so DRAM keeps working while every block of the grid reduces. Session 6 (H100, without
+// the prefetch): bf16 backward 153 -> 142 us, float32 at several blocks per SM within 1-3 %.
+// Session 5: the register-staged kernel above loaded, reduced and wrote in step at one block per
+// SM (f32 256x262144: 0.79 of the 3-pass bound) and was issue-heavy for bf16 (0.87).
+template <class T, int P>
+__global__ void __launch_bounds__(1024)
+backward_cached_lean(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx, int64_t rows,
+                     int64_t cols, int64_t slice, unsigned prefetch_bytes, bool log) {
+  static_assert(kAsyncPack<T, P>, "the lean backward copies 16-byte packs");
+  using A = acc_t<T>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* cache_y = reinterpret_cast<T*>(smem);
+  T* cache_g = cache_y + slice;
+  __shared__ A scratch[33];
+  __shared__ A slots[2], bcast[2];
+  const unsigned nblocks = cluster_blocks(), rank = cluster_rank();
+  const int64_t begin = int64_t(rank) * slice;
+  const unsigned npacks = begin < cols ? unsigned((std::min(cols, begin + slice) - begin) / P) : 0;
+  const unsigned l2_bytes = std::min<unsigned>(prefetch_bytes, npacks * unsigned(sizeof(Pack<T, P>)));
+  const int64_t stride = gridDim.x / nblocks;
+  bool requested = false;  // this row's packs already requested during the previous row
+  int parity = 0;          // one cluster reduction a row: alternate its slots
+  for (int64_t row = blockIdx.x / nblocks; row < rows; row += stride, parity ^= 1) {
+    const int64_t off = row * cols + begin;
+    if (!requested) {
+      request_slice_async<T, P>(y + off, cache_y, npacks);
+      request_slice_async<T, P>(dy + off, cache_g, npacks);
+    }
+    __pipeline_wait_prior(0);
+    const bool has_next = row + stride < rows;
+    const int64_t next_off = off + stride * cols;
+    if (l2_bytes && has_next) {
+      prefetch_l2(y + next_off, l2_bytes);
+      prefetch_l2(dy + next_off, l2_bytes);
+    }
+    A s = 0;
+#pragma unroll 4
+    for (unsigned i = threadIdx.x; i < npacks; i += blockDim.x) {
+      A yv[P], gv[P];
+      unpack<T, P>(load_pack<T, P>(cache_y + i * P), yv);
+      unpack<T, P>(load_pack<T, P>(cache_g + i * P), gv);
+#pragma unroll
+      for (int p = 0; p < P; ++p) s = log ? s + gv[p] : fmaf(yv[p], gv[p], s);
+    }
+    s = block_reduce<SumOp>(s, scratch);
+    s = cluster_allreduce<SumOp>(s, &slots[parity], &bcast[parity]);
+    T* const out = dx + off;
+    const T* const next_y = has_next ? y + next_off : y;
+    const T* const next_g = has_next ? dy + next_off : dy;
+    // One loop per output kind, so the loop body carries no branch on `log`.
+    const auto output_pass = [&](auto log_kind) {
+      constexpr bool kLog = decltype(log_kind)::value;
+      for (unsigned i = threadIdx.x; i < npacks; i += blockDim.x) {
+        A yv[P], gv[P];
+        unpack<T, P>(load_pack<T, P>(cache_y + i * P), yv);
+        unpack<T, P>(load_pack<T, P>(cache_g + i * P), gv);
+#pragma unroll
+        for (int p = 0; p < P; ++p)
+          yv[p] = kLog ? fmaf(-exp2_ftz(yv[p] * kLog2e), s, gv[p]) : yv[p] * (gv[p] - s);
+        store_pack<T, P>(out + i * P, repack<T, P>(yv));
+        // Both entries were read above by this thread alone: they may now be overwritten.
+        if (has_next) {
+          __pipeline_memcpy_async(cache_y + i * P, next_y + i * P, sizeof(Pack<T, P>));
+          __pipeline_memcpy_async(cache_g + i * P, next_g + i * P, sizeof(Pack<T, P>));
+        }
+      }
+    };
+    if (log) {
+      output_pass(std::true_type{});
+    } else {
+      output_pass(std::false_type{});
+    }
+    if (has_next) __pipeline_commit();
+    requested = has_next;
+  }
+  if (nblocks > 1) cluster_sync();  // peers may still read this block's slots
+}
+
 // ---------------------------------------------------------------------------------------------
 // Uncached path: one block per row, online (max, sum) in the first pass, output in the second.
 
@@ -679,6 +763,9 @@ bool remembered_plan(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col
   return true;
 }
 
+// Whether a plan runs the persistent grid (rather than one block per row; see unmasked_cached_grid).
+bool persistent_plan(const CachedPlan& plan) { return plan.cluster > 1 || plan.smem > kCachedBytesPerBlock; }
+
 // A persistent grid: every resident cluster loops over rows, so cluster scheduling is paid once
 // and each block requests its next row while writing the current one (forward, 16-byte packs).
 // Long rows (a cluster, or more than one block's cache budget) need that refill: one cluster per
@@ -693,8 +780,29 @@ int64_t cached_grid(int64_t rows, const CachedPlan& plan) {
 // 1025-8192 columns (session 5; the persistent grid's blocks finish their last rows unevenly,
 // and each block's row loop serializes its rows' latencies).
 int64_t unmasked_cached_grid(int64_t rows, const CachedPlan& plan) {
-  if (plan.cluster == 1 && plan.smem <= kCachedBytesPerBlock) return std::min<int64_t>(rows, INT32_MAX);
+  if (!persistent_plan(plan)) return std::min<int64_t>(rows, INT32_MAX);
   return cached_grid(rows, plan);
+}
+
+// L2 the lean backward may fill with its blocks' next rows (see l2_prefetch_bytes).
+constexpr size_t kL2PrefetchBudget = size_t(16) << 20;
+
+// Bytes of each input array's next slice a block of the lean backward prefetches into L2 while it
+// reduces its current row; 0 (no prefetch) unless the plan's resident grid has at most one block
+// per SM (plan.max_clusters * plan.cluster <= SMs; Hopper only: 16-block clusters whose blocks
+// cache over ~113 KB, i.e. float32 rows of ~232K-462K columns and 16-bit rows of ~464K-925K;
+// measured: float32 256x262144 only). There every block of the grid reduces in step with nothing
+// else on its SM, and DRAM idles unless L2 fetches the next row meanwhile (session 6, H100: 323
+// -> 303 us, 1.44x XLA). Where several blocks share an SM, other rows' blocks keep
+// DRAM busy and the prefetch only added traffic: 15-25 % slower (forward and backward, every
+// dtype). The budget, shared by every resident block, bounds what waits in L2 (50 MB on H100)
+// next to the output stream, so prefetched lines are not evicted before the refill reads them.
+unsigned l2_prefetch_bytes(const CachedPlan& plan, const DeviceInfo& dev, int arrays, size_t elem_bytes) {
+  const int64_t blocks = plan.max_clusters * plan.cluster;
+  if (dev.cc_major < 9 || !persistent_plan(plan) || blocks <= 0 || blocks > dev.sm_count) return 0;
+  const size_t slice_bytes = size_t(plan.slice) * elem_bytes;
+  const size_t share = kL2PrefetchBudget / size_t(blocks) / arrays / 16 * 16;
+  return unsigned(std::min(share, slice_bytes));
 }
 
 int64_t uncached_grid(int64_t rows, const DeviceInfo& dev) {
@@ -741,6 +849,16 @@ cudaError_t backward_packed(const T* y, const T* dy, const bool* mask, T* dx, in
     });
   }
   CachedPlan plan;
+  // Unmasked 16-byte packs on a persistent plan: the lean kernel. Rows within one block's cache
+  // budget keep the register-staged kernel below (0.92-0.97 of the 3-pass bound in session 5).
+  if constexpr (kAsyncPack<T, P> && sizeof(T) <= 4) {
+    if (mask == nullptr && remembered_plan(backward_cached_lean<T, P>, cols, P, 2 * sizeof(T), dev, &plan) &&
+        persistent_plan(plan)) {
+      return launch_clustered(backward_cached_lean<T, P>, cached_grid(rows, plan), plan.threads, plan.smem,
+                              plan.cluster, stream, y, dy, dx, rows, cols, plan.slice,
+                              l2_prefetch_bytes(plan, dev, 2, sizeof(T)), log);
+    }
+  }
   if (remembered_plan(backward_cached<T, P>, cols, P, 2 * sizeof(T), dev, &plan)) {
     return launch_clustered(backward_cached<T, P>, cached_grid(rows, plan), plan.threads, plan.smem,
                             plan.cluster, stream, y, dy, mask, dx, rows, cols, plan.slice, log);

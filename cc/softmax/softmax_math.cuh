@@ -123,4 +123,30 @@ __device__ __forceinline__ acc_t<T> pack_max(acc_t<T> m, const Pack<T, P>& pk) {
   }
 }
 
+// Asks L2 to fetch `bytes` (a multiple of 16) from `src` (16-byte aligned) in 4 KB bulk requests
+// (Hopper's cp.async.bulk.prefetch: one instruction per chunk, no registers or shared memory
+// held, nothing to wait for), issued by lane 0 of each warp in turn: the instruction takes its
+// operands in uniform registers, so lanes with different addresses would be serialized anyway.
+// A hint only: older architectures skip it. The lean backward uses it, at one block per SM, to
+// fetch its next row while it reduces the current one, when DRAM would otherwise idle (all blocks
+// of the grid reduce in step). blockDim.x must be a multiple of 32.
+__device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr unsigned kChunk = 4096;
+  if (threadIdx.x % 32 != 0) return;
+  const char* base = static_cast<const char*>(src);
+  for (unsigned at = threadIdx.x / 32 * kChunk; at < bytes; at += blockDim.x / 32 * kChunk) {
+    const unsigned n = bytes - at < kChunk ? bytes - at : kChunk;
+    asm volatile(
+        "{\n\t.reg .u64 g;\n\tcvta.to.global.u64 g, %0;\n\tcp.async.bulk.prefetch.L2.global [g], %1;\n\t}"
+        :
+        : "l"(base + at), "r"(n)
+        : "memory");
+  }
+#else
+  (void)src;
+  (void)bytes;
+#endif
+}
+
 }  // namespace jaxops::softmax
