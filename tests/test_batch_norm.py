@@ -523,8 +523,12 @@ def test_gpu_results_independent_of_alignment(tmp_path):
     base = _align_probe(tmp_path, "vector_loads", {})
     got = _align_probe(tmp_path, "element_loads", {"JAXOPS_BN_ELEMENT_LOADS": "1"})
     assert sorted(got) == sorted(base) and len(base) > 0
-    for k in base:
-        np.testing.assert_array_equal(got[k], base[k], err_msg=k)
+    # Leaf 0 is the loss, a sum XLA computes from y, mean and var; every other leaf is a jaxops
+    # output (y, mean, var, the gradients). Ours must match bit for bit; XLA's reduction of the
+    # loss is not ours to pin (seen: the bf16 loss 1 ulp apart between two processes).
+    ours = [k for k in base if not k.endswith("_0")]
+    differs = [k for k in ours if not np.array_equal(got[k], base[k])]
+    assert not differs, f"jaxops outputs depend on the load path: {differs}"
 
 
 def test_align_probe_runs_on_cpu(tmp_path):
