@@ -101,9 +101,15 @@ def _batch_norm_cases(key, size):
 
 
 def _stats(x, axis=-1):
-    # On the host: XLA's GPU column reductions may add with atomics, so jnp's mean/var can differ
-    # in the last bits from process to process, and these are inputs that test_cuda_graphs
-    # compares bit for bit across two processes (seen: batch_norm_inference's scale gradient).
+    axes = tuple(a for a in range(x.ndim) if a != axis % x.ndim)
+    xf = x.astype(jnp.float32)
+    return xf.mean(axes), xf.var(axes)
+
+
+def _host_stats(x, axis=-1):
+    # Given statistics for batch_norm_inference, computed on the host: XLA's GPU reductions can
+    # differ in the last bits from process to process, and test_cuda_graphs compares two processes
+    # bit for bit (seen: batch_norm_inference's scale gradient).
     axes = tuple(a for a in range(x.ndim) if a != axis % x.ndim)
     xf = np.asarray(x.astype(jnp.float32), np.float64)
     return jnp.asarray(xf.mean(axes), jnp.float32), jnp.asarray(xf.var(axes), jnp.float32)
@@ -131,7 +137,7 @@ def _batch_norm_inference_cases(key, size):
     cases = []
     for i, (shape, dtype) in enumerate(_bn_shapes(size)):
         x, scale, bias, res = _bn_inputs(jax.random.fold_in(key, i), shape, dtype)
-        mean, var = _stats(x)
+        mean, var = _host_stats(x)
         mean, var = mean + 0.01, var * 1.1  # given statistics, not the batch's
         name = f"{jnp.dtype(dtype).name}{list(shape)}"
         cases.append(Case(name, (x, scale, bias, mean, var)))
