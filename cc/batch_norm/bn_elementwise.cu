@@ -150,6 +150,44 @@ __device__ __forceinline__ void lane_forward_coefs(const A* __restrict__ scale, 
 // 16 KB in flight per SM; two give 32 KB, enough for DRAM's latency.
 constexpr int kApplyUnroll = 2;
 
+// One warp chunk of the apply: y = act((x - shift) * a + b (+ res)) in place of the loaded x
+// pack, stored, and the chunk's mask word (both apply kernels).
+template <class T, int P, bool kFixed>
+__device__ __forceinline__ void apply_chunk(int64_t chunk, int64_t chunks_per_row, int64_t L, int64_t C,
+                                            int lane, const Coef<acc_t<T>>* __restrict__ coef,
+                                            const Coef<acc_t<T>> (&q)[kFixed ? P : 1], bool res, bool relu,
+                                            bool vec, T (&v)[P], const T (&r)[P], T* __restrict__ y,
+                                            uint32_t* __restrict__ mask, int64_t wpg) {
+  using A = acc_t<T>;
+  const cuda::WarpChunk c = cuda::warp_chunk<P>(chunk, chunks_per_row);
+  const int64_t base = c.row * L;
+  int64_t ch[P];
+  if constexpr (!kFixed) channels_of<P>(c.c0, C, ch);
+  const Coef<A>* cg = coef + c.row * C;
+  uint32_t bits = 0;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    if (c.c0 + k >= L) continue;  // past the end: bit stays 0
+    Coef<A> qk;
+    if constexpr (kFixed) qk = q[k];
+    else qk = cg[ch[k]];
+    A z = (to_acc(v[k]) - qk.shift) * qk.a + qk.b;
+    if (res) z += to_acc(r[k]);
+    if (relu) {
+      const bool pos = z > A(0);
+      bits |= static_cast<uint32_t>(pos) << k;
+      if (!(pos || z != z)) z = A(0);  // NaN propagates like jax.nn.relu
+    }
+    v[k] = from_acc<T>(z);
+  }
+  cuda::store_run<T, P>(y + base, c.c0, L, vec, v);
+  if (wpg > 0) {
+    const uint32_t word = cuda::warp_mask_words<P>(bits);
+    const int64_t w = c.ch * P + lane;
+    if (lane < P && w < wpg) mask[c.row * wpg + w] = word;
+  }
+}
+
 template <class T, int P, bool kFixed>
 __global__ void __launch_bounds__(kThreads, kFixed ? 4 : 1)  // kFixed bf16: 64 registers, 4 blocks per SM
 apply_kernel(const T* __restrict__ x, const T* __restrict__ res, const Coef<acc_t<T>>* __restrict__ coef,
@@ -207,33 +245,8 @@ apply_kernel(const T* __restrict__ x, const T* __restrict__ res, const Coef<acc_
     for (int u = 0; u < kApplyUnroll; ++u) {
       const int64_t chunk = chunk0 + u * ws.stride;
       if (chunk >= ws.lim) break;  // warp-uniform
-      const cuda::WarpChunk c = cuda::warp_chunk<P>(chunk, chunks_per_row);
-      const int64_t base = c.row * L;
-      int64_t ch[P];
-      if constexpr (!kFixed) channels_of<P>(c.c0, C, ch);
-      const Coef<A>* cg = coef + c.row * C;
-      uint32_t bits = 0;
-#pragma unroll
-      for (int k = 0; k < P; ++k) {
-        if (c.c0 + k >= L) continue;  // past the end: bit stays 0
-        Coef<A> qk;
-        if constexpr (kFixed) qk = q[k];
-        else qk = cg[ch[k]];
-        A z = (to_acc(v[u][k]) - qk.shift) * qk.a + qk.b;
-        if (res) z += to_acc(r[u][k]);
-        if (relu) {
-          const bool pos = z > A(0);
-          bits |= static_cast<uint32_t>(pos) << k;
-          if (!(pos || z != z)) z = A(0);  // NaN propagates like jax.nn.relu
-        }
-        v[u][k] = from_acc<T>(z);
-      }
-      cuda::store_run<T, P>(y + base, c.c0, L, vec, v[u]);
-      if (wpg > 0) {
-        const uint32_t word = cuda::warp_mask_words<P>(bits);
-        const int64_t w = c.ch * P + lane;
-        if (lane < P && w < wpg) mask[c.row * wpg + w] = word;
-      }
+      apply_chunk<T, P, kFixed>(chunk, chunks_per_row, L, C, lane, coef, q, res != nullptr, relu, vec, v[u], r[u],
+                                y, mask, wpg);
     }
   }
 }
@@ -270,33 +283,8 @@ apply_s4_kernel(const T* __restrict__ x, const T* __restrict__ res, const Coef<a
     for (int u = 0; u < kApplyUnroll; ++u) {
       const int64_t chunk = chunk0 + u * stride;
       if (chunk >= chunks) break;  // warp-uniform
-      const cuda::WarpChunk c = cuda::warp_chunk<P>(chunk, chunks_per_row);
-      const int64_t base = c.row * L;
-      int64_t ch[P];
-      if constexpr (!kFixed) channels_of<P>(c.c0, C, ch);
-      const Coef<A>* cg = coef + c.row * C;
-      uint32_t bits = 0;
-#pragma unroll
-      for (int k = 0; k < P; ++k) {
-        if (c.c0 + k >= L) continue;  // past the end: bit stays 0
-        Coef<A> qk;
-        if constexpr (kFixed) qk = q[k];
-        else qk = cg[ch[k]];
-        A z = (to_acc(v[u][k]) - qk.shift) * qk.a + qk.b;
-        if (res) z += to_acc(r[u][k]);
-        if (relu) {
-          const bool pos = z > A(0);
-          bits |= static_cast<uint32_t>(pos) << k;
-          if (!(pos || z != z)) z = A(0);  // NaN propagates like jax.nn.relu
-        }
-        v[u][k] = from_acc<T>(z);
-      }
-      cuda::store_run<T, P>(y + base, c.c0, L, vec, v[u]);
-      if (wpg > 0) {
-        const uint32_t word = cuda::warp_mask_words<P>(bits);
-        const int64_t w = c.ch * P + lane;
-        if (lane < P && w < wpg) mask[c.row * wpg + w] = word;
-      }
+      apply_chunk<T, P, kFixed>(chunk, chunks_per_row, L, C, lane, coef, q, res != nullptr, relu, vec, v[u], r[u],
+                                y, mask, wpg);
     }
   }
 }
