@@ -244,6 +244,16 @@ def test_cached_forward_refill_across_rows(dtype, rows, cols, masked, key):
     assert ON_GPU
 
 
+def backward_from_y(name, y, w):
+    """The backward formula applied to the kernel's own y (in its dtype), in float64 where x64 is
+    on: judges only the backward kernel, not the forward's rounding."""
+    yr = y.astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+    g = w.astype(yr.dtype)
+    if name == "softmax":
+        return yr * (g - jnp.sum(yr * g, axis=-1, keepdims=True))
+    return g - jnp.exp(yr) * jnp.sum(g, axis=-1, keepdims=True)
+
+
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("cols", [4, 8, 16, 32, 64, 128, 256, 512, 1024])
@@ -258,13 +268,7 @@ def test_every_warp_shape_over_many_rows(dtype, cols, key):
     for name in OPS:
         y, vjp = jax.vjp(OPS[name][0], x)
         assert_close(y, reference(name, x), dtype)
-        # The backward from the y it was given (in the dtype), so only the backward is judged.
-        yr = y.astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
-        g = w.astype(yr.dtype)
-        if name == "softmax":
-            want = yr * (g - jnp.sum(yr * g, axis=-1, keepdims=True))
-        else:
-            want = g - jnp.exp(yr) * jnp.sum(g, axis=-1, keepdims=True)
+        want = backward_from_y(name, y, w)
         assert_close(vjp(w)[0], want, dtype, **({"atol": 1e-5} if dtype == jnp.float32 else {}))
     assert ON_GPU
 
@@ -313,12 +317,7 @@ def test_lean_backward_over_rows(dtype, rows, cols, key):
     w = jnp.asarray(w, dtype)
     for name in OPS:
         y, vjp = jax.vjp(OPS[name][0], x)
-        yr = y.astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
-        g = w.astype(yr.dtype)
-        if name == "softmax":
-            want = yr * (g - jnp.sum(yr * g, axis=-1, keepdims=True))
-        else:
-            want = g - jnp.exp(yr) * jnp.sum(g, axis=-1, keepdims=True)
+        want = backward_from_y(name, y, w)
         got = vjp(w)[0]
         assert got.dtype == dtype
         # Softmax's dx is ~1/cols in size: an absolute tolerance relative to the largest value.
