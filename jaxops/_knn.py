@@ -18,7 +18,6 @@ index). The kernel ranks by exactly this total order, so results are determinist
 from __future__ import annotations
 
 import math
-import os
 from functools import partial
 
 import jax
@@ -36,28 +35,14 @@ __all__ = ["knn", "knn_classify"]
 # (correct on every platform, just slower).
 _MAX_KERNEL_K = 2048
 # Elements of one distance tile (float32): 2^28 = 1 GB of distances bounds the working set
-# (H100, session 6: 2^28 is ~2.5 % faster than 2^27 and ~8 % faster than 2^26).
+# (H100, session 6: 2^28 is ~2.5 % faster than 2^27 and ~8 % faster than 2^26; session 7:
+# 2^29 only ~1 % faster than 2^28 at twice the memory).
 _TILE_ELEMS = 1 << 28
 _MIN_TILE_COLS = 1024
 # Below this many queries the GPU has too few rows to stream; split the references.
 _SPLIT_BELOW_ROWS = 1024
 _MIN_SPLIT_COLS = 4096
 _INT32_MAX = np.iinfo(np.int32).max
-# TEMPORARY measurement hook, not user API (to be deleted with the session-6 tile measurement):
-# JAXOPS_KNN_TILE_LOG2=NN, read when a call is traced, uses 2^NN-element tiles instead of
-# _TILE_ELEMS. The plan is a static argument of the jitted search, so set it before the first call.
-_TILE_LOG2_ENV = "JAXOPS_KNN_TILE_LOG2"
-
-
-def _tile_elems() -> int:
-    """Elements of one distance tile: _TILE_ELEMS, or 2^NN where JAXOPS_KNN_TILE_LOG2=NN."""
-    value = os.environ.get(_TILE_LOG2_ENV, "").strip()
-    if not value:
-        return _TILE_ELEMS
-    if not value.isdigit() or not 10 <= int(value) <= 30:
-        raise ValueError(f"jaxops.knn: {_TILE_LOG2_ENV} must be an integer in [10, 30], "
-                         f"got {value!r}")
-    return 1 << int(value)
 
 
 def knn(queries: jax.typing.ArrayLike, refs: jax.typing.ArrayLike, k: int, *,
@@ -184,7 +169,7 @@ def _knn_jvp(k, precision, primals, tangents):
 
 def _plan(m: int, n: int, k: int, kernel: bool):
     """(splits, query tile, column tile, column tiles per split)."""
-    tile_elems = _tile_elems()
+    tile_elems = _TILE_ELEMS  # read on every call; the plan is a static argument of _search
     splits = 1
     if kernel and m < _SPLIT_BELOW_ROWS and n >= 2 * _MIN_SPLIT_COLS:
         splits = max(1, min(-(-2 * _SPLIT_BELOW_ROWS // max(m, 1)), n // _MIN_SPLIT_COLS))

@@ -211,6 +211,22 @@ def _apply_call(x2, scale, bias, mean, var, res2, eps, relu_on, with_mask):
     return y, mask
 
 
+def _forward_call(x2, scale, bias, res2, eps, relu_on, with_mask):
+    """Statistics and apply in one custom call (on a GPU one kernel when x fits in shared memory)."""
+    rows, c = x2.shape
+    sd = _stats_dtype(x2.dtype)
+    words = _mask_words(rows * c) if (relu_on and with_mask) else 0
+    has_res = res2 is not None
+    res_arg = res2 if has_res else jnp.zeros((), x2.dtype)
+    y, mask, mean, var, _, _ = ffi_call(
+        "batch_norm", "jaxops_bn_forward",
+        (jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((words,), jnp.uint32),
+         jax.ShapeDtypeStruct((c,), sd), jax.ShapeDtypeStruct((c,), sd),
+         jax.ShapeDtypeStruct((_row_block_cap(rows), 3, c), sd), jax.ShapeDtypeStruct((4, c), sd)),
+        x2, scale, bias, res_arg, epsilon=float(eps), relu=relu_on, with_mask=with_mask, has_residual=has_res)
+    return y, mean, var, mask
+
+
 def _backward_sums(dy2, x2, mask, mean, var, eps, relu_on):
     rows, c = x2.shape
     sd = _stats_dtype(x2.dtype)
@@ -311,15 +327,18 @@ def _bn_forward(x2, scale, bias, res2, eps, relu_on, with_mask):
 
 
 def _bn_forward_local(x2, scale, bias, res, *, axes, eps, relu_on, with_mask, has_res):
-    mean, var = _stats_call(x2)
     rows = axes.get("r", ())
-    if rows:  # equal-sized shards merge exactly and stably (Chan), as in _sharded_train, but
-        # from one all-gather of every shard's (mean, var): one collective latency, not two
-        parts = jax.lax.all_gather(jnp.stack([mean, var]), rows, tiled=False)
-        parts = parts.reshape(-1, 2, mean.shape[0])
-        gmean = jnp.mean(parts[:, 0], axis=0)
-        var = jnp.mean(parts[:, 1] + jnp.square(parts[:, 0] - gmean), axis=0)
-        mean = gmean
+    if not rows:
+        return _forward_call(x2, scale, bias, res if has_res else None, eps, relu_on, with_mask)
+    # Rows split across devices: equal-sized shards merge exactly and stably (Chan), as in
+    # _sharded_train, but from one all-gather of every shard's (mean, var): one collective
+    # latency, not two.
+    mean, var = _stats_call(x2)
+    parts = jax.lax.all_gather(jnp.stack([mean, var]), rows, tiled=False)
+    parts = parts.reshape(-1, 2, mean.shape[0])
+    gmean = jnp.mean(parts[:, 0], axis=0)
+    var = jnp.mean(parts[:, 1] + jnp.square(parts[:, 0] - gmean), axis=0)
+    mean = gmean
     y, mask = _apply_call(x2, scale, bias, mean, var, res if has_res else None, eps, relu_on,
                           with_mask)
     return y, mean, var, mask

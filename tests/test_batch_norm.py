@@ -356,10 +356,13 @@ def test_nested_axis_names(key):
     close(var[0, 1], vr, 1e-5)
 
 
-def test_nan_and_inf_stay_in_their_channel(key):
-    x = np.array(npnormal(rng(key), (6, 5, 4)))
-    x[2, 3, 1] = np.nan
-    x[0, 0, 2] = np.inf
+# (4000, 4): on a GPU the one-kernel forward splits the rows over ~125 blocks, so the inf and the
+# NaN sit in one block's partial and meet finite partials in the merge.
+@pytest.mark.parametrize("shape", [(6, 5, 4), (4000, 4)])
+def test_nan_and_inf_stay_in_their_channel(key, shape):
+    x = np.array(npnormal(rng(key), shape))
+    x[(2,) * (x.ndim - 1) + (1,)] = np.nan
+    x[(x.shape[0] - 1,) + (0,) * (x.ndim - 2) + (2,)] = np.inf
     x = jnp.asarray(x)
     scale, bias = jnp.ones(4), jnp.zeros(4)
     for a, e in zip(jaxops.batch_norm(x, scale, bias, activation="relu"), ref_bn(x, scale, bias, activation="relu")):
@@ -459,6 +462,63 @@ def test_gpu_resnet_shape(key, dtype):
     check_large_add_relu(key, (16, 112, 112, 32), dtype)
 
 
+# The one-kernel training forward (cc/batch_norm/bn_resident.cu) on shapes that fill the GPU's
+# shared memory: float16, channel counts whose warp stride is not a multiple of C (7, 1000:
+# coefficients looked up per chunk), a partial last block; (64,56,56,64) with its residual is just
+# past the residual limit (streaming kernels; without one test_gpu_resident_matches_streaming).
+@gpu_only
+@pytest.mark.parametrize("shape,dtype", [((64, 56, 56, 64), jnp.bfloat16), ((16, 112, 112, 32), jnp.float16),
+                                         ((3, 70001, 7), jnp.float32), ((2000, 1000), jnp.bfloat16)])
+def test_gpu_resident_forward(key, shape, dtype):
+    check_large_add_relu(key, shape, dtype)
+
+
+_PATH_PROBE = r"""
+import sys
+import jax
+import jax.numpy as jnp
+import numpy as np
+import jaxops
+
+out = {}
+# Odd cases without a residual: the one kernel takes residual-free slices up to the largest
+# 16-bit shape ((64,56,56,64): 97K elements a block) and residual ones up to 64K elements.
+for i, (shape, dtype) in enumerate([((16, 112, 112, 32), jnp.float32), ((64, 56, 56, 64), jnp.bfloat16),
+                                    ((3, 70001, 7), jnp.float32), ((2000, 1000), jnp.float16)]):
+    k = jax.random.split(jax.random.PRNGKey(i), 5)
+    c = shape[-1]
+    x = (2 * jax.random.normal(k[0], shape, jnp.float32) + 0.5).astype(dtype)
+    res = jax.random.normal(k[1], shape, jnp.float32).astype(dtype)
+    w = jax.random.normal(k[2], shape, jnp.float32)
+    scale = 1 + jax.random.normal(k[3], (c,), jnp.float32)
+    bias = jax.random.normal(k[4], (c,), jnp.float32)
+
+    def loss(x, s, b, *r):
+        y, m, v = jaxops.batch_norm(x, s, b, residual=r[0] if r else None, activation="relu")
+        return jnp.sum(y.astype(jnp.float32) * w) + jnp.sum(m * 1.5) + jnp.sum(v * 0.5), (y, m, v)
+
+    args = (x, scale, bias) + ((res,) if i % 2 == 0 else ())
+    f = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))
+    for j, leaf in enumerate(jax.tree.leaves(f(*args))):
+        out[f"{i}_{j}"] = np.asarray(leaf.astype(jnp.float32))
+np.savez(sys.argv[1], **out)
+"""
+
+
+@gpu_only
+def test_gpu_resident_matches_streaming(tmp_path):
+    """The one-kernel forward and the streaming kernels (JAXOPS_BN_RESIDENT=0) agree to rounding:
+    the same formulas, only the order of the statistics' additions differs."""
+    one = _probe(tmp_path, _PATH_PROBE, "resident", {})
+    two = _probe(tmp_path, _PATH_PROBE, "streaming", {"JAXOPS_BN_RESIDENT": "0"})
+    assert sorted(one) == sorted(two) and len(one) == 2 * 8 + 2 * 7
+    for k in one:
+        a, b = one[k], two[k]
+        # 16-bit y and gradients: a last-bit difference of the statistics can flip one rounding
+        tol = 1e-4 if k.startswith(("0_", "2_")) else 1e-2
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, float(np.abs(b).max())), err_msg=k)
+
+
 # Session 6 determinism check: the column reductions used to choose their tile (pack width, row
 # blocks) from the operands' 16-byte alignment, so the order of additions (and the statistics'
 # and gradient sums' last bits) depended on where XLA put x and dy. A misaligned operand cannot
@@ -503,19 +563,25 @@ np.savez(sys.argv[1], **out)
 """
 
 
-def _align_probe(tmp_path, name, env):
+def _probe(tmp_path, script, name, env):
+    """Runs a probe script in a fresh process with the batch_norm hooks of `env` only."""
     import os
     import subprocess
     import sys
 
-    full = {k: v for k, v in os.environ.items() if k != "JAXOPS_BN_ELEMENT_LOADS"}
+    full = {k: v for k, v in os.environ.items() if k not in ("JAXOPS_BN_ELEMENT_LOADS", "JAXOPS_BN_RESIDENT")}
     full.update(env)
     path = tmp_path / f"{name}.npz"
     # cwd: `python -c` puts the working directory first on sys.path; from the repository root
     # the source jaxops/ would shadow the installed package.
-    subprocess.run([sys.executable, "-c", _ALIGN_PROBE, str(path)], env=full, cwd=tmp_path, check=True,
-                   timeout=600)
+    subprocess.run([sys.executable, "-c", script, str(path)], env=full, cwd=tmp_path, check=True, timeout=600)
     return dict(np.load(path))
+
+
+def _align_probe(tmp_path, name, env):
+    # The one-kernel forward (bn_resident.cu) would take every probe shape; it is off so that the
+    # streaming kernels' load paths are what the two runs compare.
+    return _probe(tmp_path, _ALIGN_PROBE, name, {"JAXOPS_BN_RESIDENT": "0", **env})
 
 
 @gpu_only

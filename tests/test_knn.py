@@ -168,13 +168,6 @@ def test_tiled_paths(key, monkeypatch):
     assert knn_module._plan(300, 1001, 5, True)[3] > 1  # the scan really ran
 
 
-@pytest.fixture(autouse=True)
-def _default_tile(monkeypatch):
-    """Every test starts from the default tile, even when the measurement hook
-    JAXOPS_KNN_TILE_LOG2 is set in the environment of the run (tests that want it set it)."""
-    monkeypatch.delenv("JAXOPS_KNN_TILE_LOG2", raising=False)
-
-
 def _tiles_with_nan_and_ties(key, m, n, d=5):
     """Integer features (exact distances, many ties), a NaN query row, NaN and inf references."""
     kq, kr = jax.random.split(key)
@@ -184,11 +177,11 @@ def _tiles_with_nan_and_ties(key, m, n, d=5):
     return q, r
 
 
-def test_tile_hook_tiny_tiles(key, monkeypatch):
-    """JAXOPS_KNN_TILE_LOG2 (temporary measurement hook) sets the tile size; tiny tiles cross
-    every tile boundary: n not a multiple of the tile, k larger than a tile, NaN rows and
-    references, ties. The running lists are updated in place across the 7 tiles."""
-    monkeypatch.setenv("JAXOPS_KNN_TILE_LOG2", "16")
+def test_tiny_tiles(key, monkeypatch):
+    """Tiny tiles cross every tile boundary: n not a multiple of the tile, k larger than a
+    tile, NaN rows and references, ties. The running lists are updated in place across the
+    7 tiles."""
+    monkeypatch.setattr(knn_module, "_TILE_ELEMS", 1 << 16)
     monkeypatch.setattr(knn_module, "_MIN_TILE_COLS", 128)
     m, n = 300, 1601  # 2^16: 256-column tiles (7 tiles, the last one of 65 columns)
     q, r = _tiles_with_nan_and_ties(key, m, n)
@@ -197,19 +190,6 @@ def test_tile_hook_tiny_tiles(key, monkeypatch):
     for k in (7, 300):
         dists, idx = jaxops.knn(q, r, k)
         check_knn(q, r, k, dists, idx, exact=True)
-
-
-def test_tile_hook_values(monkeypatch):
-    """Unset/empty: the default tile; a malformed value fails loudly instead of silently
-    measuring the default."""
-    monkeypatch.delenv("JAXOPS_KNN_TILE_LOG2", raising=False)
-    assert knn_module._tile_elems() == knn_module._TILE_ELEMS == 1 << 28
-    monkeypatch.setenv("JAXOPS_KNN_TILE_LOG2", "29")
-    assert knn_module._tile_elems() == 1 << 29
-    for bad in ("knn6_tile29", "9", "31", "-3"):
-        monkeypatch.setenv("JAXOPS_KNN_TILE_LOG2", bad)
-        with pytest.raises(ValueError, match="JAXOPS_KNN_TILE_LOG2"):
-            jaxops.knn(jnp.ones((2, 3)), jnp.ones((4, 3)), 1)
 
 
 def test_balanced_query_tiles(key, monkeypatch):
@@ -224,14 +204,15 @@ def test_balanced_query_tiles(key, monkeypatch):
 
 
 @gpu_only
-@pytest.mark.parametrize("log2", ["", "22", "24"])
+@pytest.mark.parametrize("log2", [28, 22, 24])
 def test_gpu_small_tiles(key, monkeypatch, log2):
-    """GPU: small tiles through the measurement hook (m = 2048: 2^22 -> 2048-column tiles,
-    2^24 -> 8192; unset: one tile) with n not a multiple of the tile, k = 2100 > a 2048-column
+    """GPU: small tiles (m = 2048: 2^22 -> 13 tiles of 2048 columns, 2^24 -> 4 of 6400;
+    2^28, the default: one tile) with n not a multiple of the tile, k = 2100 > a 2048-column
     tile (kernel's largest list, and the XLA-sort path past 2048), k = 256, a NaN query row,
     NaN/inf references and integer ties; the kernel updates the running lists in place."""
-    monkeypatch.setenv("JAXOPS_KNN_TILE_LOG2", log2)
+    monkeypatch.setattr(knn_module, "_TILE_ELEMS", 1 << log2)
     m, n = 2048, 3 * 8192 + 1000
+    assert knn_module._plan(m, n, 256, True)[3] == {28: 1, 22: 13, 24: 4}[log2]
     q, r = _tiles_with_nan_and_ties(key, m, n, d=8)
     rows = np.array([0, 1, 777, m - 1])
     for k in (256, 2048, 2100):

@@ -120,6 +120,21 @@ inline ffi::Error check_apply(const ffi::AnyBuffer& x, const ffi::AnyBuffer& sca
   return check_mask(op, x, mask, relu && with_mask, v);
 }
 
+// The fused training forward: check_apply's operands with mean/var as results, plus the
+// statistics workspace.
+inline ffi::Error check_forward(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scale,
+                                const ffi::AnyBuffer& bias, const ffi::AnyBuffer& residual,
+                                const ffi::AnyBuffer& y, const ffi::AnyBuffer& mask, const ffi::AnyBuffer& mean,
+                                const ffi::AnyBuffer& var, const ffi::AnyBuffer& ws, const ffi::AnyBuffer& coef,
+                                double eps, bool relu, bool with_mask, bool has_residual, View* v,
+                                int64_t* cap) {
+  if (auto err = check_apply(x, scale, bias, mean, var, residual, y, mask, coef, eps, relu, with_mask,
+                             has_residual, v);
+      err.failure())
+    return err;
+  return check_workspace("batch_norm", x, ws, *v, 3, cap);
+}
+
 inline ffi::Error check_backward_reduce(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x,
                                         const ffi::AnyBuffer& mask, const ffi::AnyBuffer& mean,
                                         const ffi::AnyBuffer& var, const ffi::AnyBuffer& sum_dy,

@@ -1,4 +1,4 @@
-// CPU FFI handlers of batch_norm: statistics, normalize(+add+relu), backward reduce, backward dx.
+// CPU FFI handlers of batch_norm: statistics, normalize(+add+relu), both fused, backward reduce, backward dx.
 #include "batch_norm/bn_args.h"
 #include "batch_norm/bn_cpu.h"
 #include "common/registry.h"
@@ -28,6 +28,26 @@ ffi::Error ApplyCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
   if (v.elements() == 0) return ffi::Error::Success();
   apply_cpu(v, x.untyped_data(), scale.untyped_data(), bias.untyped_data(), mean.untyped_data(),
             var.untyped_data(), has_residual ? residual.untyped_data() : nullptr, y->untyped_data(),
+            static_cast<uint32_t*>(mask->untyped_data()), eps, relu != 0);
+  return ffi::Error::Success();
+}
+
+// The fused training forward's CPU twin: the statistics, then the apply, as two calls do.
+ffi::Error ForwardCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::AnyBuffer residual,
+                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mask, ffi::Result<ffi::AnyBuffer> mean,
+                      ffi::Result<ffi::AnyBuffer> var, ffi::Result<ffi::AnyBuffer> ws,
+                      ffi::Result<ffi::AnyBuffer> coef, double eps, int64_t relu, int64_t with_mask,
+                      int64_t has_residual) {
+  View v;
+  int64_t cap = 0;
+  if (auto err = check_forward(x, scale, bias, residual, *y, *mask, *mean, *var, *ws, *coef, eps, relu, with_mask,
+                               has_residual, &v, &cap);
+      err.failure())
+    return err;
+  if (v.elements() == 0) return ffi::Error::Success();
+  stats_cpu(v, x.untyped_data(), mean->untyped_data(), var->untyped_data());
+  apply_cpu(v, x.untyped_data(), scale.untyped_data(), bias.untyped_data(), mean->untyped_data(),
+            var->untyped_data(), has_residual ? residual.untyped_data() : nullptr, y->untyped_data(),
             static_cast<uint32_t*>(mask->untyped_data()), eps, relu != 0);
   return ffi::Error::Success();
 }
@@ -93,6 +113,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormApplyCpu, ApplyCpu,
                                   .Attr<int64_t>("relu")
                                   .Attr<int64_t>("with_mask")
                                   .Attr<int64_t>("has_residual"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormForwardCpu, ForwardCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<double>("epsilon")
+                                  .Attr<int64_t>("relu")
+                                  .Attr<int64_t>("with_mask")
+                                  .Attr<int64_t>("has_residual"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardReduceCpu, BackwardReduceCpu,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
@@ -127,6 +163,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardDxCpu, BackwardDxCpu,
                                   .Attr<int64_t>("count"));
 JAXOPS_REGISTER("jaxops_bn_stats", BatchNormStatsCpu);
 JAXOPS_REGISTER("jaxops_bn_apply", BatchNormApplyCpu);
+JAXOPS_REGISTER("jaxops_bn_forward", BatchNormForwardCpu);
 JAXOPS_REGISTER("jaxops_bn_bwd_reduce", BatchNormBackwardReduceCpu);
 JAXOPS_REGISTER("jaxops_bn_bwd_dx", BatchNormBackwardDxCpu);
 

@@ -1,5 +1,5 @@
 // CUDA FFI handlers of batch_norm (validate, then launch on XLA's stream): statistics,
-// normalize(+add+relu), backward reduce, backward dx.
+// normalize(+add+relu), both fused (training forward), backward reduce, backward dx.
 #include "batch_norm/bn_args.h"
 #include "batch_norm/bn_launch.h"
 #include "common/cuda_status.h"
@@ -35,6 +35,38 @@ ffi::Error ApplyCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale
                                 has_residual ? residual.untyped_data() : nullptr, y->untyped_data(),
                                 static_cast<uint32_t*>(mask->untyped_data()), coef->untyped_data(), eps,
                                 relu != 0),
+                     "batch_norm");
+}
+
+// Statistics and apply in one call: one cooperative kernel when x fits in shared memory
+// (bn_resident.cu), else the two streaming passes.
+ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
+                       ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mask,
+                       ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> var,
+                       ffi::Result<ffi::AnyBuffer> ws, ffi::Result<ffi::AnyBuffer> coef, double eps, int64_t relu,
+                       int64_t with_mask, int64_t has_residual) {
+  View v;
+  int64_t cap = 0;
+  if (auto err = check_forward(x, scale, bias, residual, *y, *mask, *mean, *var, *ws, *coef, eps, relu, with_mask,
+                               has_residual, &v, &cap);
+      err.failure())
+    return err;
+  if (v.elements() == 0) return ffi::Error::Success();
+  const void* res = has_residual ? residual.untyped_data() : nullptr;
+  auto* bits = static_cast<uint32_t*>(mask->untyped_data());
+  bool launched = false;
+  if (cudaError_t err = resident_forward_cuda(stream, v, x.untyped_data(), scale.untyped_data(),
+                                              bias.untyped_data(), res, y->untyped_data(), bits,
+                                              mean->untyped_data(), var->untyped_data(), ws->untyped_data(), cap,
+                                              eps, relu != 0, &launched))
+    return cuda_status(err, "batch_norm");
+  if (launched) return ffi::Error::Success();
+  if (cudaError_t err = stats_cuda(stream, v, x.untyped_data(), mean->untyped_data(), var->untyped_data(),
+                                   ws->untyped_data(), cap))
+    return cuda_status(err, "batch_norm");
+  return cuda_status(apply_cuda(stream, v, x.untyped_data(), scale.untyped_data(), bias.untyped_data(),
+                                mean->untyped_data(), var->untyped_data(), res, y->untyped_data(), bits,
+                                coef->untyped_data(), eps, relu != 0),
                      "batch_norm");
 }
 
@@ -108,6 +140,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormApplyCuda, ApplyCuda,
                                   .Attr<int64_t>("with_mask")
                                   .Attr<int64_t>("has_residual"),
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormForwardCuda, ForwardCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<double>("epsilon")
+                                  .Attr<int64_t>("relu")
+                                  .Attr<int64_t>("with_mask")
+                                  .Attr<int64_t>("has_residual"),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardReduceCuda, BackwardReduceCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -146,6 +196,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardDxCuda, BackwardDxCuda,
                               {ffi::Traits::kCmdBufferCompatible});
 JAXOPS_REGISTER("jaxops_bn_stats", BatchNormStatsCuda);
 JAXOPS_REGISTER("jaxops_bn_apply", BatchNormApplyCuda);
+JAXOPS_REGISTER("jaxops_bn_forward", BatchNormForwardCuda);
 JAXOPS_REGISTER("jaxops_bn_bwd_reduce", BatchNormBackwardReduceCuda);
 JAXOPS_REGISTER("jaxops_bn_bwd_dx", BatchNormBackwardDxCuda);
 

@@ -20,6 +20,13 @@ cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const 
                        const void* bias, const void* mean, const void* var, const void* residual, void* y,
                        uint32_t* mask, void* coef, double eps, bool relu);
 
+// The whole training forward (statistics into mean/var, then y and the mask) in one cooperative
+// kernel when one group's x fits in the GPU's shared memory (bn_resident.cu); ws is the stats
+// workspace ((cap, 3, C)). Sets *launched to false, launching nothing, for any other shape.
+cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void* x, const void* scale,
+                                  const void* bias, const void* residual, void* y, uint32_t* mask, void* mean,
+                                  void* var, void* ws, int64_t cap, double eps, bool relu, bool* launched);
+
 // sum_dy, sum_dyxhat per channel (dy masked by the relu bit when relu); ws is (G, cap, 2, C).
 cudaError_t backward_reduce_cuda(cudaStream_t stream, const View& v, const void* dy, const void* x,
                                  const uint32_t* mask, const void* mean, const void* var, void* sum_dy,

@@ -1,4 +1,6 @@
-// Test hook of the batch_norm CUDA launchers: JAXOPS_BN_ELEMENT_LOADS=1 (read once per process)
+// Test hooks of the batch_norm CUDA launchers.
+//
+// JAXOPS_BN_ELEMENT_LOADS=1 (read once per process)
 // makes every kernel take its element-load path, as for operands that are not 16-byte aligned.
 // XLA hands out aligned buffers, so a misaligned operand cannot be built from JAX; with the hook,
 // tests/test_batch_norm.py::test_gpu_results_independent_of_alignment checks in a subprocess that
@@ -15,6 +17,17 @@ inline bool force_element_loads() {
     return e != nullptr && e[0] != '\0' && e[0] != '0';
   }();
   return on;
+}
+
+// JAXOPS_BN_RESIDENT=0 (read once per process) turns off the one-kernel training forward for
+// inputs that fit in shared memory (bn_resident.cu), so tests and benchmarks can run the
+// streaming kernels on those shapes too.
+inline bool resident_path_disabled() {
+  static const bool off = [] {
+    const char* e = std::getenv("JAXOPS_BN_RESIDENT");
+    return e != nullptr && e[0] == '0';
+  }();
+  return off;
 }
 
 }  // namespace jaxops::batch_norm

@@ -1,0 +1,334 @@
+// Training forward of batch_norm in one cooperative kernel, for inputs that fit in the GPU's
+// shared memory (about 27 MB on an H100: float32 (16,112,112,32), bfloat16 up to (64,56,56,64)).
+// Each block copies its slice of rows into shared memory and reduces it, the grid synchronises
+// once to merge the partial statistics, and every block applies the normalisation from shared
+// memory. x is read from DRAM once instead of twice, and the three kernels of the streaming path
+// (statistics, merge, apply) become one.
+//
+// Measured (H100, session 7): float32 (16,112,112,32) BN+ReLU 37.3 -> 30.6 us (XLA 33.3),
+// bfloat16 24.8 -> 20.2 us (XLA 21.2). The kernel runs at ~2.5 TB/s of its 2-pass traffic but not
+// faster: the load, the reduction + grid barrier + merge and the apply run one after another on
+// every SM. Summing during the load, 16-byte M2 reads and an L2 prefetch of the residual
+// (session 7, run 3) changed nothing or cost 1-2 us, so the reduction is this plain two-pass form.
+//
+// Statistics: per block two passes over shared memory (shifted mean, then M2 around it, exact),
+// shifted by the channel's first-row pivot like the streaming kernels (bn_reduce.cu); the
+// blocks' (count, sum, mean, M2) partials merge with chan_merge in a fixed order, identically in
+// every block, so the result depends only on the shape and the device's SM count.
+#include <cooperative_groups.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+
+#include "batch_norm/bn_launch.h"
+#include "batch_norm/bn_math.h"
+#include "batch_norm/bn_test_hooks.h"
+#include "common/bitmask.cuh"
+#include "common/cuda_util.cuh"
+#include "common/launch.cuh"
+
+namespace jaxops::batch_norm {
+namespace {
+
+using cuda::acc_t;
+using cuda::from_acc;
+using cuda::to_acc;
+
+constexpr int kThreads = 1024;  // one block per SM: its shared memory holds the slice
+constexpr int kWarps = kThreads / 32;
+constexpr int kLoadUnroll = 4;  // 16-byte packs a thread loads before it stores them: 64 KB in flight per SM
+constexpr int kMaxChannels = kThreads;
+constexpr int64_t kResidualMaxElems = 64 * 1024;  // see resident_forward_cuda
+
+// A block's partial statistics of one channel (values shifted by the channel's pivot).
+struct Moments {
+  float n, s, m, m2;
+  __device__ __forceinline__ void merge(const Moments& b) {
+    chan_merge(n, m, m2, b.n, b.m, b.m2);
+    s += b.s;
+  }
+};
+
+__device__ __forceinline__ float pivot(float first) { return isfinite(first) ? first : 0.f; }
+
+// The shared-memory layout: C coefficient records, the reduction scratch, then the slice.
+struct Smem {
+  float4* coef;  // {shift, a, b, unused} per channel
+  Moments* red;  // kThreads entries: thread (j, c) at j * C + c
+  unsigned char* data;
+};
+
+__host__ __device__ constexpr size_t smem_head(int64_t C) {
+  return static_cast<size_t>(C) * sizeof(float4) + kThreads * sizeof(Moments);
+}
+
+__device__ __forceinline__ Smem smem_layout(int64_t C) {
+  extern __shared__ __align__(16) unsigned char bn_res_smem[];
+  Smem s;
+  s.coef = reinterpret_cast<float4*>(bn_res_smem);
+  s.red = reinterpret_cast<Moments*>(bn_res_smem + C * sizeof(float4));
+  s.data = bn_res_smem + smem_head(C);
+  return s;
+}
+
+// Folds red[j * C + c] over j < lanes (a power of two) into red[c], in a fixed tree order.
+// Every thread of the block must call it (it synchronises).
+template <class Fold>
+__device__ __forceinline__ void fold_lanes(Moments* red, int j, int c, int C, int lanes, Fold fold) {
+  for (int s = lanes / 2; s > 0; s /= 2) {
+    __syncthreads();
+    if (j < s) fold(red[j * C + c], red[(j + s) * C + c]);
+  }
+  __syncthreads();
+}
+
+// Copies the n elements at src into shared memory: 16-byte packs, kLoadUnroll of them in flight
+// per thread, then the (last block's) tail element by element.
+template <class T, int P>
+__device__ __forceinline__ void load_slice(const T* __restrict__ src, T* __restrict__ dst, int n) {
+  const int packs = n / P;
+  for (int p0 = threadIdx.x; p0 < packs; p0 += kThreads * kLoadUnroll) {
+    uint4 w[kLoadUnroll];
+#pragma unroll
+    for (int u = 0; u < kLoadUnroll; ++u) {
+      const int p = p0 + u * kThreads;
+      if (p < packs) w[u] = __ldg(reinterpret_cast<const uint4*>(src) + p);
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadUnroll; ++u) {
+      const int p = p0 + u * kThreads;
+      if (p < packs) reinterpret_cast<uint4*>(dst)[p] = w[u];
+    }
+  }
+  for (int i = packs * P + threadIdx.x; i < n; i += kThreads) dst[i] = src[i];
+}
+
+// y = act((x - shift) * a + b (+ res)) for the lane's P elements at local index i0 (< n), and
+// the predicate bits (bit k: element i0 + k is positive; 0 past the end).
+template <class T, int P>
+__device__ __forceinline__ uint32_t apply_pack(const T* __restrict__ xs, const T* __restrict__ res,
+                                               T* __restrict__ y, const float (&sh)[P], const float (&a)[P],
+                                               const float (&b)[P], int i0, int n, bool relu) {
+  const bool full = i0 + P <= n;
+  T v[P], r[P];
+  if (full) {
+    const uint4 w = *reinterpret_cast<const uint4*>(xs + i0);  // one 16-byte shared load
+    memcpy(&v, &w, sizeof(v));
+    if (res) cuda::load_vec<T, P>(res + i0, r);
+  } else {
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      v[k] = i0 + k < n ? xs[i0 + k] : from_acc<T>(0.f);
+      r[k] = res && i0 + k < n ? res[i0 + k] : from_acc<T>(0.f);
+    }
+  }
+  uint32_t bits = 0;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    float z = (to_acc(v[k]) - sh[k]) * a[k] + b[k];  // the streaming apply's formula (bn_elementwise.cu)
+    if (res) z += to_acc(r[k]);
+    if (relu) {
+      const bool pos = z > 0.f && i0 + k < n;
+      bits |= static_cast<uint32_t>(pos) << k;
+      if (!(z > 0.f || z != z)) z = 0.f;  // NaN propagates like jax.nn.relu
+    }
+    v[k] = from_acc<T>(z);
+  }
+  if (full) {
+    cuda::store_vec<T, P>(y + i0, v);
+  } else {
+#pragma unroll
+    for (int k = 0; k < P; ++k)
+      if (i0 + k < n) y[i0 + k] = v[k];
+  }
+  return bits;
+}
+
+// kFixed: the warp stride (kWarps * 32 * P elements) is a multiple of C, so a lane meets the same
+// P channels on every chunk and keeps their coefficients in registers.
+template <class T, int P, bool kFixed>
+__global__ void __launch_bounds__(kThreads, 1)
+resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale, const float* __restrict__ bias,
+                        const T* __restrict__ res, T* __restrict__ y, uint32_t* __restrict__ mask,
+                        float* __restrict__ mean_out, float* __restrict__ var_out, float* __restrict__ ws,
+                        int64_t R, int C, int64_t rpb, int lanes, float eps, bool relu, bool with_mask) {
+  const Smem sm = smem_layout(C);
+  T* xs = reinterpret_cast<T*>(sm.data);
+  const int64_t r0 = blockIdx.x * rpb;
+  const int rows = static_cast<int>(min(rpb, R - r0));  // > 0 (plan)
+  const int n = rows * C;
+  const int64_t e0 = r0 * C;  // a multiple of 32 (plan): the slice owns whole mask words
+  load_slice<T, P>(x + e0, xs, n);
+
+  // (j, c): lanes threads per channel, thread j takes rows j, j + lanes, ...
+  const int j = threadIdx.x / C, c = threadIdx.x - j * C;
+  const bool active = j < lanes;
+  const float piv = active ? pivot(to_acc(x[c])) : 0.f;
+  float s = 0.f;
+  __syncthreads();
+  if (active)
+    for (int r = j; r < rows; r += lanes) s += to_acc(xs[r * C + c]) - piv;
+  sm.red[threadIdx.x].s = s;
+  fold_lanes(sm.red, j, c, C, lanes, [](Moments& d, const Moments& o) { d.s += o.s; });
+  const float sb = active ? sm.red[c].s : 0.f;
+  const float mb = sb / static_cast<float>(rows);
+  float m2 = 0.f;
+  if (active)
+    for (int r = j; r < rows; r += lanes) {
+      const float d = to_acc(xs[r * C + c]) - piv - mb;
+      m2 += d * d;
+    }
+  __syncthreads();  // every thread has read red[c].s
+  sm.red[threadIdx.x].m2 = m2;
+  fold_lanes(sm.red, j, c, C, lanes, [](Moments& d, const Moments& o) { d.m2 += o.m2; });
+  if (active && j == 0) {
+    float* p = ws + blockIdx.x * 3 * int64_t(C) + c;
+    p[0] = sb;
+    p[C] = mb;
+    p[2 * C] = sm.red[c].m2;
+  }
+  cooperative_groups::this_grid().sync();
+
+  // Every block merges all partials the same way: thread j folds blocks j, j + lanes, ... in
+  // order, then the fixed tree over j.
+  Moments v{0.f, 0.f, 0.f, 0.f};
+  if (active)
+    for (int64_t bk = j; bk < gridDim.x; bk += lanes) {
+      const float* p = ws + bk * 3 * int64_t(C) + c;  // written in this launch: not through __ldg
+      v.merge(Moments{static_cast<float>(min(rpb, R - bk * rpb)), __ldcg(p), __ldcg(p + C), __ldcg(p + 2 * C)});
+    }
+  __syncthreads();
+  sm.red[threadIdx.x] = v;
+  fold_lanes(sm.red, j, c, C, lanes, [](Moments& d, const Moments& o) { d.merge(o); });
+  if (active && j == 0) {
+    const Moments t = sm.red[c];
+    // Finite data: the merged mean; otherwise the plain sum gives jnp.mean's inf/NaN.
+    const float mean = piv + (isfinite(t.s) ? t.m : t.s / t.n);
+    const float var = t.m2 / t.n;
+    if (blockIdx.x == 0) {
+      mean_out[c] = mean;
+      var_out[c] = var;
+    }
+    const Coef<float> q = forward_coef<float>(scale[c], bias[c], mean, var, eps);
+    sm.coef[c] = make_float4(q.shift, q.a, q.b, 0.f);
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  constexpr int kChunk = 32 * P;
+  constexpr int kStride = kWarps * kChunk;
+  const int delta = kStride % C;
+  int cl = (warp * kChunk + lane * P) % C;  // channel of the lane's first element on this chunk
+  float sh[P], a[P], b[P];
+  auto coefs = [&] {
+    int ck = cl;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const float4 q = sm.coef[ck];
+      sh[k] = q.x;
+      a[k] = q.y;
+      b[k] = q.z;
+      if (++ck == C) ck = 0;
+    }
+  };
+  if constexpr (kFixed) coefs();
+  const T* rs = res ? res + e0 : nullptr;
+  uint32_t* mw = mask + e0 / 32;
+  for (int i = warp * kChunk; i < n; i += kStride) {  // warp-uniform bounds: the ballot sees all lanes
+    if constexpr (!kFixed) {
+      coefs();
+      cl += delta;
+      if (cl >= C) cl -= C;
+    }
+    const int i0 = i + lane * P;
+    uint32_t bits = 0;
+    if (i0 < n) bits = apply_pack<T, P>(xs, rs, y + e0, sh, a, b, i0, n, relu);
+    if (with_mask) {
+      const uint32_t word = cuda::warp_mask_words<P>(bits);
+      const int w = i / 32 + lane;
+      if (lane < P && w * 32 < n) mw[w] = word;
+    }
+  }
+}
+
+bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+int pow2_floor(int v) {
+  int p = 1;
+  while (p * 2 <= v) p *= 2;
+  return p;
+}
+
+}  // namespace
+
+cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void* x, const void* scale,
+                                  const void* bias, const void* residual, void* y, uint32_t* mask, void* mean,
+                                  void* var, void* ws, int64_t cap, double eps, bool relu, bool* launched) {
+  *launched = false;
+  const int64_t R = v.rows, C = v.channels;
+  if (resident_path_disabled() || v.groups != 1 || v.f64 || R < 1 || C < 1 || C > kMaxChannels) return cudaSuccess;
+  if (!aligned(x) || !aligned(y) || (residual && !aligned(residual))) return cudaSuccess;
+  cuda::DeviceInfo dev;
+  if (cudaError_t err = cuda::device_info(&dev)) return err;
+  const size_t esize = v.dtype == Dtype::kF32 ? 4 : 2;
+  // Rows per block: a multiple of q so every slice starts on a mask word (and a 16-byte pack);
+  // at least R / cap so the partials fit the workspace.
+  const int64_t q = 32 / std::gcd<int64_t>(C, 32);
+  const int64_t want = std::max<int64_t>(dev.sm_count, 1);
+  int64_t rpb = cuda::ceil_div(std::max(cuda::ceil_div(R, want), cuda::ceil_div(R, cap)), q) * q;
+  // With a residual the apply also reads it from DRAM, one 16-byte load per lane and chunk, and
+  // its latency is exposed: measured (H100, session 7) the one kernel wins at 48.7K elements a
+  // block (float32 (16,112,112,32): 40.7 vs 43.8 us) and loses at 97K (bfloat16 (64,56,56,64):
+  // 50.6 vs 46.5 us).
+  if (residual && rpb * C > kResidualMaxElems) return cudaSuccess;
+  const size_t smem = smem_head(C) + static_cast<size_t>(rpb * C) * esize;
+  if (smem > static_cast<size_t>(dev.max_smem_optin)) return cudaSuccess;
+  const int64_t blocks = cuda::ceil_div(R, rpb);
+  const int lanes = pow2_floor(static_cast<int>(kThreads / C));
+  // A generic lambda, so that `if constexpr` drops the float64 instantiation.
+  auto go = [&](auto tag) -> cudaError_t {
+    using T = decltype(tag);
+    if constexpr (sizeof(T) <= 4) {
+      constexpr int P = 16 / sizeof(T);
+      const bool fixed = (kWarps * 32 * P) % C == 0;
+      auto kernel = fixed ? resident_forward_kernel<T, P, true> : resident_forward_kernel<T, P, false>;
+      if (cuda::resident_clusters(kernel, kThreads, smem, 1, dev) < blocks) return cudaSuccess;
+      const T* xt = static_cast<const T*>(x);
+      const float* sc = static_cast<const float*>(scale);
+      const float* bi = static_cast<const float*>(bias);
+      const T* rt = static_cast<const T*>(residual);
+      T* yt = static_cast<T*>(y);
+      float* mo = static_cast<float*>(mean);
+      float* vo = static_cast<float*>(var);
+      float* wt = static_cast<float*>(ws);
+      int64_t rows = R;
+      int ci = static_cast<int>(C), li = lanes;
+      float ef = static_cast<float>(eps);
+      bool re = relu, with_mask = v.mask_words > 0;
+      void* args[] = {&xt, &sc, &bi, &rt, &yt, &mask, &mo, &vo, &wt, &rows, &ci, &rpb, &li, &ef, &re, &with_mask};
+      // Cooperative: the launch fails rather than start a grid whose blocks cannot all be
+      // resident at once (the grid barrier would wait forever).
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(static_cast<unsigned>(blocks));
+      config.blockDim = dim3(kThreads);
+      config.dynamicSmemBytes = smem;
+      config.stream = stream;
+      cudaLaunchAttribute attr;
+      attr.id = cudaLaunchAttributeCooperative;
+      attr.val.cooperative = 1;
+      config.attrs = &attr;
+      config.numAttrs = 1;
+      if (cudaError_t err = cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(kernel), args)) return err;
+      *launched = true;
+    }
+    return cudaSuccess;
+  };
+  JAXOPS_DISPATCH_FLOAT(v.dtype, T, {
+    if (cudaError_t err = go(T{})) return err;
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace jaxops::batch_norm
