@@ -188,42 +188,43 @@ def _row_block_cap(rows: int) -> int:
     return max(1, min(_MAX_ROW_BLOCKS, -(-rows // 32)))
 
 
-def _stats_call(x2):
+def _stats_results(x2):
+    """mean, var and the row-block workspace the statistics targets write."""
     rows, c = x2.shape
     sd = _stats_dtype(x2.dtype)
-    mean, var, _ = ffi_call("batch_norm", "jaxops_bn_stats",
-                            (jax.ShapeDtypeStruct((c,), sd), jax.ShapeDtypeStruct((c,), sd),
-                             jax.ShapeDtypeStruct((_row_block_cap(rows), 3, c), sd)), x2)
+    return (jax.ShapeDtypeStruct((c,), sd), jax.ShapeDtypeStruct((c,), sd),
+            jax.ShapeDtypeStruct((_row_block_cap(rows), 3, c), sd))
+
+
+def _apply_io(x2, res2, relu_on, with_mask):
+    """The apply targets' results (y, mask, coefficient workspace), residual operand and attributes."""
+    rows, c = x2.shape
+    words = _mask_words(rows * c) if (relu_on and with_mask) else 0
+    has_res = res2 is not None
+    results = (jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((words,), jnp.uint32),
+               jax.ShapeDtypeStruct((4, c), _stats_dtype(x2.dtype)))
+    res_arg = res2 if has_res else jnp.zeros((), x2.dtype)
+    return results, res_arg, dict(relu=relu_on, with_mask=with_mask, has_residual=has_res)
+
+
+def _stats_call(x2):
+    mean, var, _ = ffi_call("batch_norm", "jaxops_bn_stats", _stats_results(x2), x2)
     return mean, var
 
 
 def _apply_call(x2, scale, bias, mean, var, res2, eps, relu_on, with_mask):
-    rows, c = x2.shape
-    sd = _stats_dtype(x2.dtype)
-    words = _mask_words(rows * c) if (relu_on and with_mask) else 0
-    has_res = res2 is not None
-    res_arg = res2 if has_res else jnp.zeros((), x2.dtype)
-    y, mask, _ = ffi_call("batch_norm", "jaxops_bn_apply",
-                          (jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((words,), jnp.uint32),
-                           jax.ShapeDtypeStruct((4, c), sd)),
-                          x2, scale, bias, mean, var, res_arg, epsilon=float(eps), relu=relu_on,
-                          with_mask=with_mask, has_residual=has_res)
+    results, res_arg, attrs = _apply_io(x2, res2, relu_on, with_mask)
+    y, mask, _ = ffi_call("batch_norm", "jaxops_bn_apply", results, x2, scale, bias, mean, var, res_arg,
+                          epsilon=float(eps), **attrs)
     return y, mask
 
 
 def _forward_call(x2, scale, bias, res2, eps, relu_on, with_mask):
     """Statistics and apply in one custom call (on a GPU one kernel when x fits in shared memory)."""
-    rows, c = x2.shape
-    sd = _stats_dtype(x2.dtype)
-    words = _mask_words(rows * c) if (relu_on and with_mask) else 0
-    has_res = res2 is not None
-    res_arg = res2 if has_res else jnp.zeros((), x2.dtype)
-    y, mask, mean, var, _, _ = ffi_call(
-        "batch_norm", "jaxops_bn_forward",
-        (jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((words,), jnp.uint32),
-         jax.ShapeDtypeStruct((c,), sd), jax.ShapeDtypeStruct((c,), sd),
-         jax.ShapeDtypeStruct((_row_block_cap(rows), 3, c), sd), jax.ShapeDtypeStruct((4, c), sd)),
-        x2, scale, bias, res_arg, epsilon=float(eps), relu=relu_on, with_mask=with_mask, has_residual=has_res)
+    results, res_arg, attrs = _apply_io(x2, res2, relu_on, with_mask)
+    results = results[:2] + _stats_results(x2) + results[2:]  # y, mask, mean, var, ws, coef
+    y, mask, mean, var, _, _ = ffi_call("batch_norm", "jaxops_bn_forward", results, x2, scale, bias, res_arg,
+                                        epsilon=float(eps), **attrs)
     return y, mean, var, mask
 
 

@@ -14,6 +14,7 @@
 
 #include "batch_norm/bn_launch.h"
 #include "batch_norm/bn_math.h"
+#include "batch_norm/bn_moments.cuh"
 #include "batch_norm/bn_test_hooks.h"
 #include "common/bitmask.cuh"
 #include "common/cuda_util.cuh"
@@ -145,25 +146,9 @@ __device__ __forceinline__ int tree_start(int n) {
 
 // ---------------------------------------------------------------- forward statistics
 //
-// Accuracy: every value is shifted by a per-(group, channel) pivot, the channel's first-row
-// value, before it is accumulated. With mean 1e4 and std 0.1 an unshifted float32 Welford mean
-// sits at 1e4, where one ulp is 1e-3 (1% of a std): late updates d/n round away and the mean
-// drifts by about an ulp. Shifted, the accumulators hold values of the order of the spread, so
-// the only rounding of the order of ulp(mean) left is the final `pivot + shifted mean` (as in
-// the CPU twin's float64 -> float32 cast).
-// Non-finite values: a Welford mean turns one inf into NaN (its next update is inf - inf), but
-// jnp.mean gives inf. So a plain sum of x - pivot rides along; when it is not finite the mean is
-// `pivot + sum / n` (inf for infs of one sign, NaN for +inf with -inf or a NaN, like jnp.mean),
-// else the Welford mean is used. M2 is NaN whenever the channel holds a non-finite value, like
-// the reference's mean((x - mean)^2). A non-finite pivot is replaced by 0 so that it cannot
-// poison the finite values.
+// Accuracy and non-finite values: see bn_moments.cuh (pivot-shifted partials).
 // Workspace slot of a row block, per channel: [0] sum(x - pivot), [1] Welford mean of x - pivot,
 // [2] M2. The count of a row block follows from the tiling, so it is not stored.
-
-template <class A>
-__device__ __forceinline__ A pivot_of(A first) {
-  return isfinite(first) ? first : A(0);
-}
 
 template <class T, int P, int U, bool kVec>
 __global__ void __launch_bounds__(kThreads)
@@ -242,16 +227,6 @@ constexpr int kMergeThreads = 128;
 constexpr int kMergeWarps = kMergeThreads / 32;
 constexpr int kMergeBatch = 8;  // partials whose loads a thread issues before it folds them
 
-// Welford partial (count, shifted sum, mean, M2), folded with chan_merge (bn_math.h).
-template <class A>
-struct Moments {
-  A n, s, m, m2;
-  __device__ __forceinline__ void merge(const Moments& b) {
-    chan_merge(n, m, m2, b.n, b.m, b.m2);
-    s += b.s;
-  }
-};
-
 // Fixed-order fold over the block: thread t has folded partials t, t+kMergeThreads, ... in
 // order; then lanes pairwise (xor tree), then warps 0..kMergeWarps-1 in order. Returns the total
 // in thread 0.
@@ -305,11 +280,8 @@ stats_merge_kernel(const T* __restrict__ x, const acc_t<T>* __restrict__ ws, acc
   }
   v = block_merge(v);
   if (threadIdx.x == 0) {
-    const A piv = pivot_of(to_acc(x[g * R * C + c]));
-    // Finite data: the Welford mean (its error scales with the spread, not with |mean - pivot|).
-    // Otherwise the plain sum gives jnp.mean's inf/NaN.
-    mean[w] = piv + (isfinite(v.s) ? v.m : v.s / v.n);
-    var[w] = v.m2 / v.n;
+    mean[w] = v.mean(pivot_of(to_acc(x[g * R * C + c])));
+    var[w] = v.var();
   }
 }
 

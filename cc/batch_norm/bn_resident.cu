@@ -24,6 +24,7 @@
 
 #include "batch_norm/bn_launch.h"
 #include "batch_norm/bn_math.h"
+#include "batch_norm/bn_moments.cuh"
 #include "batch_norm/bn_test_hooks.h"
 #include "common/bitmask.cuh"
 #include "common/cuda_util.cuh"
@@ -42,16 +43,7 @@ constexpr int kLoadUnroll = 4;  // 16-byte packs a thread loads before it stores
 constexpr int kMaxChannels = kThreads;
 constexpr int64_t kResidualMaxElems = 64 * 1024;  // see resident_forward_cuda
 
-// A block's partial statistics of one channel (values shifted by the channel's pivot).
-struct Moments {
-  float n, s, m, m2;
-  __device__ __forceinline__ void merge(const Moments& b) {
-    chan_merge(n, m, m2, b.n, b.m, b.m2);
-    s += b.s;
-  }
-};
-
-__device__ __forceinline__ float pivot(float first) { return isfinite(first) ? first : 0.f; }
+using Moments = batch_norm::Moments<float>;  // a block's partial of one channel (bn_moments.cuh)
 
 // The shared-memory layout: C coefficient records, the reduction scratch, then the slice.
 struct Smem {
@@ -165,7 +157,7 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
   // (j, c): lanes threads per channel, thread j takes rows j, j + lanes, ...
   const int j = threadIdx.x / C, c = threadIdx.x - j * C;
   const bool active = j < lanes;
-  const float piv = active ? pivot(to_acc(x[c])) : 0.f;
+  const float piv = active ? pivot_of(to_acc(x[c])) : 0.f;
   float s = 0.f;
   __syncthreads();
   if (active)
@@ -204,9 +196,7 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
   fold_lanes(sm.red, j, c, C, lanes, [](Moments& d, const Moments& o) { d.merge(o); });
   if (active && j == 0) {
     const Moments t = sm.red[c];
-    // Finite data: the merged mean; otherwise the plain sum gives jnp.mean's inf/NaN.
-    const float mean = piv + (isfinite(t.s) ? t.m : t.s / t.n);
-    const float var = t.m2 / t.n;
+    const float mean = t.mean(piv), var = t.var();
     if (blockIdx.x == 0) {
       mean_out[c] = mean;
       var_out[c] = var;
@@ -253,6 +243,8 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
   }
 }
 
+// Unlike bn_elementwise.cu's aligned16 this ignores JAXOPS_BN_ELEMENT_LOADS: the kernel has no
+// element-load twin (the alignment test runs with JAXOPS_BN_RESIDENT=0).
 bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 int pow2_floor(int v) {
