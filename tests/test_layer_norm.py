@@ -337,6 +337,17 @@ def _check_both_grads(x, scale, bias, dtype):
         close(g, w, dtype, 2.0)
 
 
+def _check_param_grads_repeat(x, scale, bias, dtype, wkey):
+    """dscale / dbias of both ops bit-identical over two runs (fixed-order column sums); returns
+    the cotangent weights used."""
+    w = jax.random.normal(wkey, x.shape, jnp.float32).astype(dtype)
+    f = jax.jit(jax.grad(lambda x, s, b: jnp.sum((jaxops.layer_norm(x, s, b) * w).astype(jnp.float32)), (1, 2)))
+    g = jax.jit(jax.grad(lambda x, s: jnp.sum((jaxops.rms_norm(x, s) * w).astype(jnp.float32)), 1))
+    for u, v in zip(f(x, scale, bias) + (g(x, scale),), f(x, scale, bias) + (g(x, scale),)):
+        np.testing.assert_array_equal(np.asarray(u.astype(jnp.float32)), np.asarray(v.astype(jnp.float32)))
+    return w
+
+
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("rows,cols", [(2000, 4096), (700, 8192), (1500, 2056), (600, 6152)])
@@ -349,6 +360,26 @@ def test_register_row_backward_gpu(key, dtype, rows, cols):
     x = normal(k1, (rows, cols), dtype) + jnp.asarray(0.5, dtype)
     scale, bias = params(k2, cols, dtype)
     _check_both_grads(x, scale, bias, dtype)
+
+
+@gpu_only
+@pytest.mark.parametrize("cluster", ["1", "2", "8"])
+@pytest.mark.parametrize("dtype,rows,cols", [(jnp.bfloat16, 3001, 4096), (jnp.bfloat16, 13, 8192),
+                                             (jnp.float16, 7000, 1024), (jnp.float32, 2000, 4096),
+                                             (jnp.bfloat16, 3, 2056)])
+def test_cluster_slot_sums_gpu(key, monkeypatch, cluster, dtype, rows, cols):
+    # On Hopper the register-row backward kernels run in clusters whose blocks add their column
+    # sums through distributed shared memory and write one partial row a cluster (default 4
+    # blocks, covered by every other backward test; JAXOPS_LN_CLUSTER is read at every launch).
+    # 1 = no clusters; 2 and 8; 13 rows on 8-block clusters leave empty slots in the cluster;
+    # 3 rows are fewer than a cluster (falls back to plain slots). Gradients against the
+    # references, dscale / dbias of both ops bit-identical over two runs.
+    monkeypatch.setenv("JAXOPS_LN_CLUSTER", cluster)
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (rows, cols), dtype) + jnp.asarray(1.0, dtype)
+    scale, bias = params(k2, cols, dtype)
+    _check_both_grads(x, scale, bias, dtype)
+    _check_param_grads_repeat(x, scale, bias, dtype, jax.random.key(5))
 
 
 @gpu_only
@@ -473,14 +504,7 @@ def test_lean_backward_rows_gpu(key, dtype, rows, cols):
     x = normal(k1, (rows, cols), dtype) + jnp.asarray(2.0, dtype)
     scale, bias = params(k2, cols, dtype)
     _check_both_grads(x, scale, bias, dtype)
-    w = jax.random.normal(jax.random.key(3), x.shape, jnp.float32).astype(dtype)
-    f = jax.jit(jax.grad(lambda x, s, b: jnp.sum((jaxops.layer_norm(x, s, b) * w).astype(jnp.float32)), (1, 2)))
-    g = jax.jit(jax.grad(lambda x, s: jnp.sum((jaxops.rms_norm(x, s) * w).astype(jnp.float32)), 1))
-    first, second = f(x, scale, bias), f(x, scale, bias)
-    for u, v in zip(first, second):
-        np.testing.assert_array_equal(np.asarray(u.astype(jnp.float32)), np.asarray(v.astype(jnp.float32)))
-    np.testing.assert_array_equal(np.asarray(g(x, scale).astype(jnp.float32)),
-                                  np.asarray(g(x, scale).astype(jnp.float32)))
+    w = _check_param_grads_repeat(x, scale, bias, dtype, jax.random.key(3))
     if cols in (1024, 4096):  # per-example parameters (vmap: groups > 1, each group its own slots)
         xs = x[:600].reshape(3, 200, cols)
         s3, b3 = jnp.stack([scale, bias, scale]), jnp.stack([bias, scale, bias])

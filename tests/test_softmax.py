@@ -225,16 +225,18 @@ def test_cached_paths_reuse_cache_across_rows(rows, cols, masked, key):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64])
-@pytest.mark.parametrize("rows,cols", [(5000, 1028), (3000, 4096), (2000, 8192), (1500, 32772)])
+@pytest.mark.parametrize("rows,cols", [(5000, 1028), (3000, 4096), (2000, 8192), (3000, 12292), (1500, 32772),
+                                       (600, 131076)])
 @pytest.mark.parametrize("masked", [False, True])
 def test_cached_forward_refill_across_rows(dtype, rows, cols, masked, key):
     """Thousands of rows in every dtype. Unmasked 16-bit/float32 rows of up to one block's cache
     budget (1028-8192 columns) run the unmaskable kernel with one block per row (a grid of
-    thousands of blocks; odd packs a thread at 1028 columns); at 32772 columns (a cluster, short
-    last slice) its persistent grid, each cluster requesting its next row while writing the
-    current one (1500 rows: several rows a cluster). float64 unmasked rows take the maskable
-    kernel's persistent grid with the same refill; masked rows the maskable kernel without it.
-    Every row checked."""
+    thousands of blocks; odd packs a thread at 1028 columns); longer rows its persistent grid,
+    each block or cluster requesting its next row while writing the current one (several rows a
+    cluster), with slices of up to 64 KB: float32 12292 columns one block caching 48 KB, 32772 /
+    131076 columns clusters (short last slices). float64 unmasked rows take the maskable kernel's
+    persistent grid with the same refill (32 KB slices); masked rows the maskable kernel without
+    it. Every row checked."""
     skip_f64_without_x64(dtype)
     kx, km = jax.random.split(key)
     x = normal(kx, (rows, cols), dtype, scale=3.0)

@@ -109,6 +109,7 @@ inline ffi::Error check_backward(bool rms, const ffi::AnyBuffer& x, const ffi::A
     return invalid_argument(op, "workspace must have shape (..., slots, " + std::to_string(num_acc(rms)) +
                                     ", cols) of the statistics dtype with slots >= 1 per group");
   a->slots_per_group = n / (s.groups * per_slot);
+  a->inv_cols = 1.0f / static_cast<float>(s.cols);
   a->x = x.untyped_data();
   a->scale = scale.untyped_data();
   a->mean = mean ? mean->untyped_data() : nullptr;

@@ -1,5 +1,7 @@
 // Backward launchers: dx and per-slot partial column sums (team / block-cached / uncached
 // kernel by row length), then reduce_slots for dscale (and dbias).
+#include <cstdlib>
+
 #include "layer_norm/layer_norm_cuda.h"
 #include "layer_norm/layer_norm_kernels.cuh"
 #include "layer_norm/layer_norm_launch.cuh"
@@ -47,9 +49,39 @@ cudaError_t launch_reduce(const BackwardArgs& a, int64_t used, cudaStream_t stre
   return cudaGetLastError();
 }
 
+// Blocks per cluster of a kernel that adds its column sums across a cluster (store_cluster_sums):
+// `preferred` on Hopper with one group, else 1 (plain slots). JAXOPS_LN_CLUSTER=N (a test hook,
+// read at every launch) overrides `preferred` with 1, 2, 4 or 8.
+int slot_cluster(const BackwardArgs& a, const cuda::DeviceInfo& info, int preferred) {
+  if (info.cc_major < 9 || a.shape.groups != 1) return 1;
+  if (const char* e = std::getenv("JAXOPS_LN_CLUSTER"); e != nullptr && e[0] != '\0') preferred = std::atoi(e);
+  return preferred == 2 || preferred == 4 || preferred == 8 ? preferred : 1;
+}
+
+// One slot per block in clusters of n: as many whole clusters as are resident at once, within
+// the workspace's slots and the rows; reduce_slots then adds one partial row per cluster. False
+// when the plain plan applies (n == 1, or fewer rows or slots than one cluster).
+template <class T, class Kernel>
+bool launch_cluster_slots(Kernel kernel, const BackwardArgs& a, const cuda::DeviceInfo& info, int threads,
+                          size_t smem, int preferred, cudaStream_t stream, cudaError_t* status) {
+  const int n = slot_cluster(a, info, preferred);
+  if (n == 1) return false;
+  const int64_t clusters = std::min(cuda::resident_clusters(kernel, threads, smem, n, info),
+                                    std::min(a.slots_per_group, a.shape.rows_per_group) / n);
+  if (clusters < 1) return false;
+  const int64_t used = clusters * n;
+  *status = cuda::launch_clustered(kernel, used, threads, smem, n, stream, a, used);
+  if (*status == cudaSuccess) *status = launch_reduce<T>(a, clusters, stream);
+  return true;
+}
+
+// `cluster` > 0: the kernel calls store_cluster_sums and prefers clusters of that many blocks.
 template <class T, class Kernel>
 cudaError_t launch_slotted(Kernel kernel, const BackwardArgs& a, const cuda::DeviceInfo& info, int threads,
-                           size_t smem, cudaStream_t stream) {
+                           size_t smem, cudaStream_t stream, int cluster = 0) {
+  if (cudaError_t status;
+      cluster > 0 && launch_cluster_slots<T>(kernel, a, info, threads, smem, cluster, stream, &status))
+    return status;
   int per_sm = 1;
   if (cudaError_t err = prepare(kernel, threads, smem, &per_sm); err != cudaSuccess) return err;
   const SlotPlan plan = plan_slots(a, info, per_sm);
@@ -119,10 +151,12 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
     // and the next row prefetched (96-128 threads a row, <= 64 registers, 8 blocks an SM) instead
     // of backward_warp (128 registers, 2 blocks of 8 row-warps, session-4 math: IEEE divisions,
     // per-row scale loads). H100, session 6: bf16 65536x1024 layer_norm_bwd 163.4 -> 151.6 us.
+    // No clusters by default: session 8 measured 2 / 4 blocks a cluster within +-2 % (layer_norm
+    // slower, rms_norm faster, in two runs).
     if (npacks > 64 && npacks <= 128) {
       const int threads = static_cast<int>((npacks + 31) / 32 * 32);
       const size_t acc_smem = sizeof(float) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols);
-      return launch_slotted<T>(backward_rows_lean<T, kPack, 1, true>, a, info, threads, acc_smem, stream);
+      return launch_slotted<T>(backward_rows_lean<T, kPack, 1, true>, a, info, threads, acc_smem, stream, 1);
     }
   }
   if (npacks <= kMaxTeamPacks) return launch_wide<T, kPack>(a, info, stream, team_packs(npacks));
@@ -138,11 +172,19 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
       if constexpr (sizeof(T) == 2) {
         // <= 4096 columns: next row prefetched, 3 blocks of 256 an SM (session 6: bf16 16384x4096
         // layer_norm_bwd 165.5 -> 158.9 us); 8192 columns: session 5's kernel, 2 blocks of 512.
+        // Column sums added over clusters of 4 / 2 blocks (session 8, H100, two runs: bf16
+        // layer_norm_bwd 16384x4096 160.0 -> 152.2 us, 8192x8192 160.1 -> 155.1; rms_norm_bwd
+        // within +-1 %). reduce_slots itself gains only 1-1.5 us; the rest is the row kernel's,
+        // whose time moved with the cluster size by up to +-3 %, reproducibly but differently for
+        // the two ops (the block-to-SM placement changes with clusters): the sizes are the
+        // measured best for layer_norm that do not slow rms_norm.
         if (npacks <= 256 * kRowPacks)
-          return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks, true>, a, info, threads, smem, stream);
-        return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks>, a, info, threads, smem, stream);
+          return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks, true>, a, info, threads, smem, stream,
+                                    4);
+        return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks>, a, info, threads, smem, stream, 2);
       } else {
-        return launch_slotted<T>(backward_rows<T, kPack, kRowPacks>, a, info, threads, smem, stream);
+        // float: clusters of 2 measured 0-2.5 us faster at 4096 / 8192 columns (session 8).
+        return launch_slotted<T>(backward_rows<T, kPack, kRowPacks>, a, info, threads, smem, stream, 2);
       }
     }
   }

@@ -19,6 +19,8 @@
 #pragma once
 #include <type_traits>
 
+#include <cooperative_groups.h>
+
 #include "common/cuda_util.cuh"
 #include "layer_norm/layer_norm_params.h"
 
@@ -411,6 +413,44 @@ template <class T>
 __device__ __forceinline__ acc_t<T>* slot_ptr(const BackwardArgs& a, int64_t g, int64_t j) {
   const int64_t per_slot = num_acc(a.shape.rms) * a.shape.cols;
   return static_cast<acc_t<T>*>(a.workspace) + (g * a.slots_per_group + j) * per_slot;
+}
+
+// Launched in clusters of n blocks (Hopper; one group, one slot per block, see
+// launch_slotted), the n blocks of a cluster add their column sums through distributed shared
+// memory and write one partial row per cluster, slot blockIdx.x / n: the workspace traffic (written at
+// the kernel's end, when nothing else overlaps it) and reduce_slots' reads shrink n-fold. Blocks
+// are added in rank order, so the sums stay bit-reproducible. `sums`: this block's [nacc][cols]
+// sums in shared memory, 16-byte aligned, cols a multiple of 16 / sizeof(A). Every thread of
+// every block of the cluster must call it; it returns true when it wrote the slot (n > 1).
+template <class T, class A>
+__device__ __forceinline__ bool store_cluster_sums(const BackwardArgs& a, A* sums) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Read here, not hoisted into the prologue (cooperative_groups' num_blocks() was, costing a
+  // register the 80-register row kernels spilled).
+  unsigned n, rank;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  if (n == 1) return false;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  auto cluster = cooperative_groups::this_cluster();
+  constexpr int kChunk = 16 / static_cast<int>(sizeof(A));
+  const int64_t chunks = num_acc(a.shape.rms) * a.shape.cols / kChunk;
+  cluster.sync();  // every block's sums are final and visible to the cluster
+  A* out = slot_ptr<T>(a, 0, blockIdx.x / n);
+  for (int64_t q = int64_t(rank) * blockDim.x + threadIdx.x; q < chunks;
+       q += int64_t(n) * blockDim.x) {
+    Pack<A, kChunk> total = load_pack<A, kChunk>(cluster.map_shared_rank(sums, 0) + q * kChunk);
+    for (unsigned r = 1; r < n; ++r) {
+      const Pack<A, kChunk> v = load_pack<A, kChunk>(cluster.map_shared_rank(sums, r) + q * kChunk);
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) total.v[e] += v.v[e];
+    }
+    store_pack(out + q * kChunk, total);
+  }
+  cluster.sync();  // peers may still be reading this block's sums
+  return true;
+#else
+  return false;
+#endif
 }
 
 // g = dy * scale rounded once, the same value in the row sums and in dx. A plain `d * s - mg`
@@ -881,6 +921,7 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
         row_stats<T>(a, row + 1, mean, rstd);
       }
     }
+    if (store_cluster_sums<T>(a, sacc)) continue;
     // Each thread owns its columns for the whole slot: write them straight to the slot's row.
     A* out = slot_ptr<T>(a, g, j);
 #pragma unroll

@@ -60,7 +60,7 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
   const Shape& s = a.shape;
   const int cols = static_cast<int>(s.cols);  // <= 8192 here
   const int npacks = cols / kPack;
-  const float inv_cols = 1.0f / static_cast<float>(cols);
+  const float inv_cols = a.inv_cols;
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
   T* dx = static_cast<T*>(a.dx);
@@ -186,6 +186,7 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
         }
       }
     }
+    if (store_cluster_sums<T>(a, sacc)) continue;
     // Each thread owns its columns for the whole slot: copy them to the slot's partial row.
     float* out = slot_ptr<T>(a, g, j);
 #pragma unroll

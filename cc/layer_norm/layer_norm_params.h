@@ -57,6 +57,7 @@ struct BackwardArgs {
   void* dbias = nullptr;       // null for rms_norm
   void* workspace = nullptr;
   int64_t slots_per_group = 0;  // slots the workspace holds per group
+  float inv_cols = 0.0f;        // 1 / cols: read from the kernel parameters, not held in a register
 };
 
 // Number of accumulated column sums: dscale (and dbias for layer_norm).

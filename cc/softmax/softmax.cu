@@ -701,16 +701,26 @@ struct CachedPlan {
 constexpr int kCachedThreads[] = {1024, 512, 256, 128};
 constexpr int64_t kMaxPacksPerThread = 4 * kUnroll;
 
-// Picks the smallest cluster whose blocks each cache at most kCachedBytesPerBlock of the row
-// (more if the cluster limit is reached); false when even the largest cluster cannot cache it.
+// Slice budget of the unmaskable forward's rows longer than kCachedBytesPerBlock. H100, session 8
+// (64 KB against 32 KB, same run): f32 512x131072 201.3 -> 196.2 us (clusters of 8 instead of 16),
+// 2048x32768 196.8 -> 194.3 (2 instead of 4), bf16 2048x32768 104.4 -> 100.1 (one block of 64 KB
+// instead of 2 of 32 KB); rows already at 16 blocks of 64 KB (f32 262144) unchanged; 16 KB was
+// slower or equal everywhere, 128 KB (one block an SM) 15-30 % slower. The backward keeps 32 KB
+// (unmeasured with 64).
+constexpr size_t kForwardLongSliceBytes = 64 * 1024;
+
+// Picks the smallest cluster whose blocks each cache at most kCachedBytesPerBlock of the row, or
+// `long_row_slice` when the row is longer than that (more if the cluster limit is reached); false
+// when even the largest cluster cannot cache it.
 template <class Kernel>
-bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, const DeviceInfo& dev,
-                 CachedPlan* plan) {
+bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, size_t long_row_slice,
+                 const DeviceInfo& dev, CachedPlan* plan) {
   const int max_cluster = dev.cc_major >= 9 ? 16 : 1;
   const size_t smem_limit = static_cast<size_t>(dev.max_smem_optin) - 1024;  // static scratch
   const size_t row_bytes = static_cast<size_t>(cols) * bytes_per_col;
   int cluster = 1;
-  while (cluster < max_cluster && row_bytes > kCachedBytesPerBlock * cluster) cluster *= 2;
+  const size_t per_block = row_bytes > kCachedBytesPerBlock ? long_row_slice : kCachedBytesPerBlock;
+  while (cluster < max_cluster && row_bytes > per_block * cluster) cluster *= 2;
   for (; cluster >= 1; cluster /= 2) {
     const int64_t slice = ceil_div<int64_t>(ceil_div<int64_t>(cols, cluster), pack) * pack;
     const size_t smem = static_cast<size_t>(slice) * bytes_per_col;
@@ -734,7 +744,7 @@ bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, co
 // queries, which would otherwise run on every call.
 template <class Kernel>
 bool remembered_plan(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, const DeviceInfo& dev,
-                     CachedPlan* plan) {
+                     CachedPlan* plan, size_t long_row_slice = kCachedBytesPerBlock) {
   struct Entry {
     const void* kernel;
     int device;
@@ -756,7 +766,7 @@ bool remembered_plan(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col
   }
   // Failures are not remembered: they send the row to the uncached path, whose rows are so
   // long that the queries' cost does not show.
-  if (!plan_cached(kernel, cols, pack, bytes_per_col, dev, plan)) return false;
+  if (!plan_cached(kernel, cols, pack, bytes_per_col, long_row_slice, dev, plan)) return false;
   std::lock_guard<std::mutex> lock(mutex);
   if (memo.size() >= 256) memo.erase(memo.begin());
   memo.push_back({key, dev.device, cols, bytes_per_col, *plan});
@@ -823,7 +833,7 @@ cudaError_t forward_packed(const T* x, const bool* mask, T* y, int64_t rows, int
   CachedPlan plan;
   if constexpr (kAsyncPack<T, P> && sizeof(T) <= 4) {  // float64's lean kernel spills (its log)
     if (mask == nullptr) {
-      if (remembered_plan(forward_cached<T, P, false>, cols, P, sizeof(T), dev, &plan)) {
+      if (remembered_plan(forward_cached<T, P, false>, cols, P, sizeof(T), dev, &plan, kForwardLongSliceBytes)) {
         return launch_clustered(forward_cached<T, P, false>, unmasked_cached_grid(rows, plan), plan.threads,
                                 plan.smem, plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
       }
