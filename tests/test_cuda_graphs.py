@@ -1,11 +1,14 @@
-"""Every public op gives the same results with XLA command buffers (CUDA graphs) on custom calls.
+"""Every public op gives the same results with XLA command buffers (CUDA graphs) on custom calls,
+and with the overlap of back-to-back kernels (programmatic dependent launch) switched off.
 
-XLA_FLAGS must be set before the GPU backend starts, so each configuration runs in its own
+XLA_FLAGS and JAXOPS_PDL must be set before the first launch, so each configuration runs in its own
 subprocess (tools/smoke_test.py --save): once with command buffers off, once with custom calls
 captured (``--xla_gpu_enable_command_buffer=+CUSTOM_CALL``) and no minimum graph size (a graph of
-one custom call is captured too). Each jitted op (forward and gradient) runs twice on different
-inputs of the same shape, so the second run replays the recorded graph with new buffer
-addresses. The kernels are deterministic, so results must match bit for bit.
+one custom call is captured too), once with command buffers off and JAXOPS_PDL=0 (every kernel
+waits for the previous one to finish before it is scheduled). Each jitted op (forward and
+gradient) runs twice on different inputs of the same shape, so the second run replays the
+recorded graph with new buffer addresses. The kernels are deterministic, so results must match
+bit for bit.
 """
 import os
 import subprocess
@@ -27,9 +30,10 @@ GRAPHS_ON = "--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_gr
 GRAPHS_OFF = "--xla_gpu_enable_command_buffer="  # an empty list: no command buffers at all
 
 
-def _run(tmp_dir, name, flags):
+def _run(tmp_dir, name, flags, extra_env):
     out = os.path.join(tmp_dir, f"{name}.npz")
     env = dict(os.environ)
+    env.update(extra_env)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "smoke_test.py"), "--size", "gpu",
@@ -42,10 +46,11 @@ def _run(tmp_dir, name, flags):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("cuda_graphs"))
-    runs = {name: _run(tmp, name, flags) for name, flags in (("off", GRAPHS_OFF), ("on", GRAPHS_ON))}
+    configs = (("off", GRAPHS_OFF, {}), ("on", GRAPHS_ON, {}), ("serial", GRAPHS_OFF, {"JAXOPS_PDL": "0"}))
+    runs = {name: _run(tmp, name, flags, env) for name, flags, env in configs}
     loaded = {}
     for name, (path, code, log) in runs.items():
-        print(f"--- command buffers {name}: exit {code}\n{log[-4000:]}")
+        print(f"--- {name}: exit {code}\n{log[-4000:]}")
         loaded[name] = (dict(np.load(path)) if os.path.exists(path) else {}, code, log)
     return loaded
 
@@ -55,16 +60,13 @@ def test_flags_are_accepted(results):
         assert "Unknown flag" not in log and "Illegal value" not in log, log[-2000:]
 
 
-@pytest.mark.parametrize("op", sorted(op_recipes.RECIPES))
-def test_op_matches_with_command_buffers(results, op):
-    if op not in op_recipes.public_ops(jaxops):
-        pytest.skip(f"{op} is not a public op yet")
-    off, _, off_log = results["off"]
-    on, _, on_log = results["on"]
+def _assert_same(results, op, base, other, what):
+    off, _, off_log = results[base]
+    on, _, on_log = results[other]
     keys = sorted(k for k in off if k.startswith(op + "|"))
-    assert keys, f"{op} produced nothing without command buffers:\n{off_log[-3000:]}"
+    assert keys, f"{op} produced nothing in the {base} run:\n{off_log[-3000:]}"
     missing = [k for k in keys if k not in on]
-    assert not missing, f"{op} failed with command buffers on ({missing[:3]}...):\n{on_log[-3000:]}"
+    assert not missing, f"{op} failed {what} ({missing[:3]}...):\n{on_log[-3000:]}"
     # The inputs come from the same seeds in both processes; if they differ, the comparison below
     # would blame the kernels for the test's own data.
     inputs = [k for k in keys if "|input" in k]
@@ -86,5 +88,19 @@ def test_op_matches_with_command_buffers(results, op):
             continue
         if not np.array_equal(a, b, equal_nan=True):
             differs.append(f"{k} (max |diff| {np.nanmax(np.abs(a.astype(float) - b)):.3g})")
-    assert not differs, "differs with command buffers: " + "; ".join(differs)
+    assert not differs, f"differs {what}: " + "; ".join(differs)
     assert set(k for k in on if k.startswith(op + "|")) == set(keys)
+
+
+@pytest.mark.parametrize("op", sorted(op_recipes.RECIPES))
+def test_op_matches_with_command_buffers(results, op):
+    if op not in op_recipes.public_ops(jaxops):
+        pytest.skip(f"{op} is not a public op yet")
+    _assert_same(results, op, "off", "on", "with command buffers")
+
+
+@pytest.mark.parametrize("op", sorted(op_recipes.RECIPES))
+def test_op_matches_without_kernel_overlap(results, op):
+    if op not in op_recipes.public_ops(jaxops):
+        pytest.skip(f"{op} is not a public op yet")
+    _assert_same(results, op, "off", "serial", "with JAXOPS_PDL=0")

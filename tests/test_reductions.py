@@ -42,6 +42,8 @@ CASES = [
     ((37, 1024), -1),         # warp per row, 16-byte loads (16 lanes a row for 2-byte types)
     ((133, 64), 1),           # short rows: 8 lanes a row, 4 rows a warp, last warp partial
     ((45, 256), 1),           # 8 (2-byte) or 16 (4-byte) lanes a row, several packs a lane
+    ((29, 128), -1),          # fewer packs a lane than the unrolled loop: the batched tail only
+    ((61, 96), 1),            # tails of 3 (4-byte) and of 1 or 2 packs (2-byte): odd tail batches
     ((9, 8192), 1),           # block per row
     ((3, 65537), 1),          # split rows, odd length
     ((1 << 18,), None),       # full reduction: split + merge

@@ -18,6 +18,7 @@
 #include "batch_norm/bn_test_hooks.h"
 #include "common/bitmask.cuh"
 #include "common/cuda_util.cuh"
+#include "common/launch.cuh"
 
 namespace jaxops::batch_norm {
 namespace {
@@ -33,6 +34,7 @@ template <class A>
 __global__ void forward_coef_kernel(const A* __restrict__ scale, const A* __restrict__ bias,
                                     const A* __restrict__ mean, const A* __restrict__ var,
                                     Coef<A>* __restrict__ coef, int64_t n, A eps) {
+  cuda::enter_kernel();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) coef[i] = forward_coef<A>(scale[i], bias[i], mean[i], var[i], eps);
 }
@@ -43,6 +45,7 @@ __global__ void backward_coef_kernel(const A* __restrict__ scale, const A* __res
                                      const A* __restrict__ sum_dyxhat, const A* __restrict__ dmean,
                                      const A* __restrict__ dvar, Coef<A>* __restrict__ coef, int64_t n, A eps,
                                      A count, bool train) {
+  cuda::enter_kernel();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n)
     coef[i] = backward_coef<A>(scale[i], mean[i], var[i], eps, sum_dy[i], sum_dyxhat[i], dmean[i], dvar[i],
@@ -195,6 +198,7 @@ apply_kernel(const T* __restrict__ x, const T* __restrict__ res, const Coef<acc_
              int64_t chunks, int64_t wpg, bool vec, bool relu, const acc_t<T>* __restrict__ scale,
              const acc_t<T>* __restrict__ bias, const acc_t<T>* __restrict__ mean,
              const acc_t<T>* __restrict__ var, acc_t<T> eps, int64_t vgrid, int64_t seg) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   const int lane = threadIdx.x % 32;
   const WarpSpan ws = warp_span(chunks, vgrid, seg);
@@ -260,6 +264,7 @@ apply_s4_kernel(const T* __restrict__ x, const T* __restrict__ res, const Coef<a
              int64_t chunks, int64_t wpg, bool vec, bool relu, const acc_t<T>* __restrict__ scale,
              const acc_t<T>* __restrict__ bias, const acc_t<T>* __restrict__ mean,
              const acc_t<T>* __restrict__ var, acc_t<T> eps) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   const int lane = threadIdx.x % 32;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -294,6 +299,7 @@ __global__ void __launch_bounds__(kThreads)  // (a 4-blocks-per-SM bound spills 
 dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* __restrict__ mask,
           const Coef<acc_t<T>>* __restrict__ coef, T* __restrict__ dx, T* __restrict__ dres, int64_t L,
           int64_t C, int64_t chunks_per_row, int64_t chunks, int64_t wpg, bool vec, int64_t vgrid, int64_t seg) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   const WarpSpan ws = span_of<T>(chunks, vgrid, seg);
   Coef<A> q[kFixed ? P : 1];
@@ -432,10 +438,12 @@ cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const 
     constexpr int P = 16 / sizeof(T);
     const int64_t n = v.groups * v.channels, L = v.elements_per_group();
     const bool fixed = v.groups == 1;
-    if (!fixed)  // the register path computes its coefficients itself
-      forward_coef_kernel<A><<<coef_blocks(n), 256, 0, stream>>>(
+    if (!fixed) {  // the register path computes its coefficients itself
+      if (cudaError_t err = cuda::launch_kernel(forward_coef_kernel<A>, coef_blocks(n), 256, 0, stream,
           static_cast<const A*>(scale), static_cast<const A*>(bias), static_cast<const A*>(mean),
-          static_cast<const A*>(var), static_cast<Coef<A>*>(coef), n, A(eps));
+          static_cast<const A*>(var), static_cast<Coef<A>*>(coef), n, A(eps)))
+        return err;
+    }
     const int64_t cpr = (L + 32 * P - 1) / (32 * P);
     const bool vec = L % P == 0 && aligned16(x) && aligned16(y) && (!residual || aligned16(residual));
     // A generic lambda, so that `if constexpr` drops the other dtype class's kernels.
@@ -448,11 +456,10 @@ cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const 
                                     : chunk_grid(v.groups * cpr, &blocks))
           return err;
         auto kernel = fixed ? apply_s4_kernel<U, P, true> : apply_s4_kernel<U, P, false>;
-        kernel<<<blocks, kThreads, 0, stream>>>(
-            static_cast<const U*>(x), static_cast<const U*>(residual), static_cast<const Coef<A>*>(coef),
-            static_cast<U*>(y), mask, L, v.channels, cpr, v.groups * cpr, v.mask_words, vec, relu,
-            static_cast<const A*>(scale), static_cast<const A*>(bias), static_cast<const A*>(mean),
-            static_cast<const A*>(var), A(eps));
+        return cuda::launch_kernel(kernel, blocks, kThreads, 0, stream, static_cast<const U*>(x),
+            static_cast<const U*>(residual), static_cast<const Coef<A>*>(coef), static_cast<U*>(y), mask, L, v.channels,
+            cpr, v.groups * cpr, v.mask_words, vec, relu, static_cast<const A*>(scale), static_cast<const A*>(bias),
+            static_cast<const A*>(mean), static_cast<const A*>(var), A(eps));
       } else {  // one resident wave of virtual blocks, cut into kSegStrides-chunk segments
         const int64_t target = resident_blocks<apply_kernel<U, P, true>>();
         if (cudaError_t err = fixed ? fixed_grid(cpr, v.channels, P, &blocks, target)
@@ -460,13 +467,12 @@ cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const 
           return err;
         const Segments sg = segments(blocks, v.groups * cpr, false);
         auto kernel = fixed ? apply_kernel<U, P, true> : apply_kernel<U, P, false>;
-        kernel<<<sg.blocks, kThreads, coef_smem<U>(fixed, v.channels), stream>>>(
+        return cuda::launch_kernel(kernel, sg.blocks, kThreads, coef_smem<U>(fixed, v.channels), stream,
             static_cast<const U*>(x), static_cast<const U*>(residual), static_cast<const Coef<A>*>(coef),
             static_cast<U*>(y), mask, L, v.channels, cpr, v.groups * cpr, v.mask_words, vec, relu,
             static_cast<const A*>(scale), static_cast<const A*>(bias), static_cast<const A*>(mean),
             static_cast<const A*>(var), A(eps), sg.vgrid, sg.seg);
       }
-      return cudaSuccess;
     };
     if (cudaError_t err = launch(T{})) return err;
   });
@@ -481,10 +487,11 @@ cudaError_t backward_dx_cuda(cudaStream_t stream, const View& v, const void* dy,
     using A = acc_t<T>;
     constexpr int P = 16 / sizeof(T);
     const int64_t n = v.groups * v.channels, L = v.elements_per_group();
-    backward_coef_kernel<A><<<coef_blocks(n), 256, 0, stream>>>(
+    if (cudaError_t err = cuda::launch_kernel(backward_coef_kernel<A>, coef_blocks(n), 256, 0, stream,
         static_cast<const A*>(scale), static_cast<const A*>(mean), static_cast<const A*>(var),
         static_cast<const A*>(sum_dy), static_cast<const A*>(sum_dyxhat), static_cast<const A*>(dmean),
-        static_cast<const A*>(dvar), static_cast<Coef<A>*>(coef), n, A(eps), static_cast<A>(count), train);
+        static_cast<const A*>(dvar), static_cast<Coef<A>*>(coef), n, A(eps), static_cast<A>(count), train))
+      return err;
     const int64_t cpr = (L + 32 * P - 1) / (32 * P);
     const bool vec = L % P == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) && (!dres || aligned16(dres));
     int blocks = 0;
@@ -497,10 +504,10 @@ cudaError_t backward_dx_cuda(cudaStream_t stream, const View& v, const void* dy,
       return err;
     const Segments sg = segments_of<T>(blocks, v.groups * cpr);
     auto kernel = fixed ? dx_kernel<T, P, true> : dx_kernel<T, P, false>;
-    kernel<<<sg.blocks, kThreads, coef_smem<T>(fixed, v.channels), stream>>>(
-        static_cast<const T*>(dy), static_cast<const T*>(x), relu ? mask : nullptr,
-        static_cast<const Coef<A>*>(coef), static_cast<T*>(dx), static_cast<T*>(dres), L, v.channels, cpr,
-        v.groups * cpr, v.mask_words, vec, sg.vgrid, sg.seg);
+    if (cudaError_t err = cuda::launch_kernel(kernel, sg.blocks, kThreads, coef_smem<T>(fixed, v.channels), stream,
+        static_cast<const T*>(dy), static_cast<const T*>(x), relu ? mask : nullptr, static_cast<const Coef<A>*>(coef),
+        static_cast<T*>(dx), static_cast<T*>(dres), L, v.channels, cpr, v.groups * cpr, v.mask_words, vec, sg.vgrid,
+        sg.seg)) return err;
   });
   return cudaGetLastError();
 }

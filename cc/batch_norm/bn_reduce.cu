@@ -18,6 +18,7 @@
 #include "batch_norm/bn_test_hooks.h"
 #include "common/bitmask.cuh"
 #include "common/cuda_util.cuh"
+#include "common/launch.cuh"
 
 namespace jaxops::batch_norm {
 namespace {
@@ -154,6 +155,7 @@ template <class T, int P, int U, bool kVec>
 __global__ void __launch_bounds__(kThreads)
 stats_partial_kernel(const T* __restrict__ x, acc_t<T>* __restrict__ ws, int64_t R, int64_t C, Tile t,
                      int64_t cap) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   __shared__ A s_n[kThreads];
   __shared__ A s_sum[kThreads * P];
@@ -254,6 +256,7 @@ template <class T>
 __global__ void __launch_bounds__(kMergeThreads)
 stats_merge_kernel(const T* __restrict__ x, const acc_t<T>* __restrict__ ws, acc_t<T>* __restrict__ mean,
                    acc_t<T>* __restrict__ var, int64_t R, int64_t C, int64_t nrb, int64_t rpb, int64_t cap) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   const int64_t w = blockIdx.x;  // (group, channel)
   const int64_t g = w / C, c = w - g * C;
@@ -292,6 +295,7 @@ __global__ void __launch_bounds__(kThreads)
 grad_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* __restrict__ mask,
                     const acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ ws, int64_t R, int64_t C,
                     Tile t, int64_t cap, int64_t wpg, bool relu) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   __shared__ A s_1[kThreads * P];
   __shared__ A s_2[kThreads * P];
@@ -361,6 +365,7 @@ template <class A>
 __global__ void __launch_bounds__(kMergeThreads)
 grad_merge_kernel(const A* __restrict__ ws, const A* __restrict__ var, A* __restrict__ sum_dy,
                   A* __restrict__ sum_dyxhat, int64_t C, int64_t nrb, int64_t cap, A eps) {
+  cuda::enter_kernel();
   __shared__ A s_w[2][kMergeWarps];
   const int64_t w = blockIdx.x;
   const int64_t g = w / C, c = w - g * C;
@@ -402,15 +407,15 @@ grad_merge_kernel(const A* __restrict__ ws, const A* __restrict__ var, A* __rest
 // Launches pass-1 kernel K<P, kVec>: the tile comes from the shape and the aligned kernel's
 // occupancy only; a misaligned x takes the element-load twin with the same tile and order.
 template <class T, auto Vec, auto Elem, auto Scalar, class Launch>
-void launch_pass1(const View& v, int pack, bool aligned, int64_t cap, int sm_count, bool rows_empty,
-                  Launch&& launch, Tile* out) {
+cudaError_t launch_pass1(const View& v, int pack, bool aligned, int64_t cap, int sm_count, bool rows_empty,
+                         Launch&& launch, Tile* out) {
   const bool packed = v.channels % pack == 0;
   const int64_t resident = packed ? resident_blocks<Vec>(sm_count) : resident_blocks<Scalar>(sm_count);
   Tile t = plan(v, pack, cap, resident);
   if (rows_empty) t.nrb = 0;
   const int64_t blocks = v.groups * t.ncb * t.nrb;
-  if (blocks > 0) launch(t.P == pack ? (aligned ? Vec : Elem) : Scalar, blocks, t);
   *out = t;
+  return blocks > 0 ? launch(t.P == pack ? (aligned ? Vec : Elem) : Scalar, blocks, t) : cudaSuccess;
 }
 
 cudaError_t stats_cuda(cudaStream_t stream, const View& v, const void* x, void* mean, void* var, void* ws,
@@ -422,16 +427,18 @@ cudaError_t stats_cuda(cudaStream_t stream, const View& v, const void* x, void* 
     constexpr int kP = reduce_pack<T>();
     const bool aligned = pack_aligned<T, kP>(x);
     auto go = [&](auto kernel, int64_t blocks, const Tile& t) {
-      kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<A*>(ws), v.rows, v.channels,
-                                              t, cap);
+      return cuda::launch_kernel(kernel, blocks, kThreads, 0, stream, static_cast<const T*>(x), static_cast<A*>(ws),
+          v.rows, v.channels, t, cap);
     };
     constexpr int kU = stats_unroll<T>();
     Tile t;
-    launch_pass1<T, stats_partial_kernel<T, kP, kU, true>, stats_partial_kernel<T, kP, kU, false>,
-                 stats_partial_kernel<T, 1, kU, true>>(v, kP, aligned, cap, info.sm_count, false, go, &t);
-    stats_merge_kernel<T><<<v.groups * v.channels, kMergeThreads, 0, stream>>>(
-        static_cast<const T*>(x), static_cast<const A*>(ws), static_cast<A*>(mean), static_cast<A*>(var),
-        v.rows, v.channels, t.nrb, t.rpb, cap);
+    if (cudaError_t err = launch_pass1<T, stats_partial_kernel<T, kP, kU, true>, stats_partial_kernel<T, kP, kU, false>,
+                 stats_partial_kernel<T, 1, kU, true>>(v, kP, aligned, cap, info.sm_count, false, go, &t))
+      return err;
+    if (cudaError_t err = cuda::launch_kernel(stats_merge_kernel<T>, v.groups * v.channels, kMergeThreads, 0, stream,
+        static_cast<const T*>(x), static_cast<const A*>(ws), static_cast<A*>(mean), static_cast<A*>(var), v.rows,
+        v.channels, t.nrb, t.rpb, cap))
+      return err;
   });
   return cudaGetLastError();
 }
@@ -446,16 +453,18 @@ cudaError_t backward_reduce_cuda(cudaStream_t stream, const View& v, const void*
     constexpr int kP = reduce_pack<T>();
     const bool aligned = pack_aligned<T, kP>(x) && pack_aligned<T, kP>(dy);
     auto go = [&](auto kernel, int64_t blocks, const Tile& t) {
-      kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x), mask,
-                                              static_cast<const A*>(mean), static_cast<A*>(ws), v.rows, v.channels,
-                                              t, cap, v.mask_words, relu);
+      return cuda::launch_kernel(kernel, blocks, kThreads, 0, stream, static_cast<const T*>(dy),
+          static_cast<const T*>(x), mask, static_cast<const A*>(mean), static_cast<A*>(ws), v.rows, v.channels, t, cap,
+          v.mask_words, relu);
     };
     Tile t;  // no rows: nothing to reduce, the merge writes zeros
-    launch_pass1<T, grad_partial_kernel<T, kP, true>, grad_partial_kernel<T, kP, false>,
-                 grad_partial_kernel<T, 1, true>>(v, kP, aligned, cap, info.sm_count, v.rows == 0, go, &t);
-    grad_merge_kernel<A><<<v.groups * v.channels, kMergeThreads, 0, stream>>>(
-        static_cast<const A*>(ws), static_cast<const A*>(var), static_cast<A*>(sum_dy),
-        static_cast<A*>(sum_dyxhat), v.channels, t.nrb, cap, A(eps));
+    if (cudaError_t err = launch_pass1<T, grad_partial_kernel<T, kP, true>, grad_partial_kernel<T, kP, false>,
+                 grad_partial_kernel<T, 1, true>>(v, kP, aligned, cap, info.sm_count, v.rows == 0, go, &t))
+      return err;
+    if (cudaError_t err = cuda::launch_kernel(grad_merge_kernel<A>, v.groups * v.channels, kMergeThreads, 0, stream,
+        static_cast<const A*>(ws), static_cast<const A*>(var), static_cast<A*>(sum_dy), static_cast<A*>(sum_dyxhat),
+        v.channels, t.nrb, cap, A(eps)))
+      return err;
   });
   return cudaGetLastError();
 }

@@ -146,6 +146,7 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
                         const T* __restrict__ res, T* __restrict__ y, uint32_t* __restrict__ mask,
                         float* __restrict__ mean_out, float* __restrict__ var_out, float* __restrict__ ws,
                         int64_t R, int C, int64_t rpb, int lanes, float eps, bool relu, bool with_mask) {
+  cuda::enter_kernel();
   const Smem sm = smem_layout(C);
   T* xs = reinterpret_cast<T*>(sm.data);
   const int64_t r0 = blockIdx.x * rpb;

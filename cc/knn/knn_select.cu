@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "common/cuda_util.cuh"
+#include "common/launch.cuh"
 #include "knn/knn_key.h"
 #include "knn/knn_select_cuda.h"
 
@@ -157,6 +158,7 @@ __device__ void flush(uint64_t* list, uint64_t* buf, int count, int K, int log_k
 // VEC = 4: the row is read as float4 (cols % 4 == 0 and 16-byte aligned rows); VEC = 1 otherwise.
 template <int VEC>
 __global__ void __launch_bounds__(256, 4) select_kernel(SelectView v, SelectBuffers b, int K, int cap) {
+  cuda::enter_kernel();
   extern __shared__ uint64_t smem[];
   uint64_t* list = smem;     // K keys, ascending
   uint64_t* buf = smem + K;  // cap >= K candidate slots
@@ -370,12 +372,7 @@ cudaError_t select_cuda(const SelectView& v, const SelectBuffers& b, cudaStream_
   const dim3 grid(static_cast<unsigned>(rows));
   const bool vec4 = v.cols % 4 == 0 && reinterpret_cast<uintptr_t>(b.tile) % 16 == 0 &&
                     (v.distances || reinterpret_cast<uintptr_t>(b.rn) % 16 == 0);
-  if (vec4) {
-    select_kernel<4><<<grid, threads, smem, stream>>>(v, b, K, cap);
-  } else {
-    select_kernel<1><<<grid, threads, smem, stream>>>(v, b, K, cap);
-  }
-  return cudaGetLastError();
+  return cuda::launch_kernel(vec4 ? select_kernel<4> : select_kernel<1>, grid, threads, smem, stream, v, b, K, cap);
 }
 
 }  // namespace jaxops::knn

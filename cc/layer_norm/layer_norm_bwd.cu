@@ -45,8 +45,7 @@ SlotPlan plan_slots(const BackwardArgs& a, const cuda::DeviceInfo& info, int blo
 template <class T>
 cudaError_t launch_reduce(const BackwardArgs& a, int64_t used, cudaStream_t stream) {
   const int64_t blocks = (a.shape.cols + 31) / 32 * a.shape.groups * num_acc(a.shape.rms);
-  reduce_slots<T><<<static_cast<unsigned>(blocks), dim3(32, kSlotLanes), 0, stream>>>(a, used);
-  return cudaGetLastError();
+  return cuda::launch_kernel(reduce_slots<T>, static_cast<unsigned>(blocks), dim3(32, kSlotLanes), 0, stream, a, used);
 }
 
 // Blocks per cluster of a kernel that adds its column sums across a cluster (store_cluster_sums):
@@ -85,8 +84,8 @@ cudaError_t launch_slotted(Kernel kernel, const BackwardArgs& a, const cuda::Dev
   int per_sm = 1;
   if (cudaError_t err = prepare(kernel, threads, smem, &per_sm); err != cudaSuccess) return err;
   const SlotPlan plan = plan_slots(a, info, per_sm);
-  kernel<<<static_cast<unsigned>(plan.grid), threads, smem, stream>>>(a, plan.used);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  if (cudaError_t err = cuda::launch_kernel(kernel, static_cast<unsigned>(plan.grid), threads, smem, stream, a,
+      plan.used); err != cudaSuccess) return err;
   return launch_reduce<T>(a, plan.used, stream);
 }
 

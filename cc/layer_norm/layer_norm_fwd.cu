@@ -30,8 +30,7 @@ cudaError_t launch_team_kernel(Kernel kernel, int kWidth, int kRows, bool persis
   if (cudaError_t err = prepare(kernel, kTeamThreads, 0, &per_sm); err != cudaSuccess) return err;
   const int64_t rows_per_block = kTeamThreads / kWidth * kRows;
   const int64_t grid = forward_grid(a.shape.rows, rows_per_block, persistent, per_sm, info);
-  kernel<<<static_cast<unsigned>(grid), kTeamThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  return cuda::launch_kernel(kernel, static_cast<unsigned>(grid), kTeamThreads, 0, stream, a);
 }
 
 // Whether the lean kernels (session 5) take these rows: 16-byte packs of float / 16-bit types
@@ -127,16 +126,14 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
     int per_sm = 1;
     if (cudaError_t err = prepare(kernel, threads, smem, &per_sm); err != cudaSuccess) return err;
     const int64_t grid = forward_grid(a.shape.rows, 1, persistent, per_sm, info);
-    kernel<<<static_cast<unsigned>(grid), threads, smem, stream>>>(a);
-    return cudaGetLastError();
+    return cuda::launch_kernel(kernel, static_cast<unsigned>(grid), threads, smem, stream, a);
   }
   auto kernel = forward_uncached<T, kPack>;
   const int big = 1024;
   int per_sm = 1;
   if (cudaError_t err = prepare(kernel, big, 0, &per_sm); err != cudaSuccess) return err;
   const int64_t grid = std::min<int64_t>(a.shape.rows, int64_t{info.sm_count} * per_sm);
-  kernel<<<static_cast<unsigned>(grid), big, 0, stream>>>(a);
-  return cudaGetLastError();
+  return cuda::launch_kernel(kernel, static_cast<unsigned>(grid), big, 0, stream, a);
 }
 
 template <class T>

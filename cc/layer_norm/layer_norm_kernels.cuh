@@ -22,6 +22,7 @@
 #include <cooperative_groups.h>
 
 #include "common/cuda_util.cuh"
+#include "common/launch.cuh"
 #include "layer_norm/layer_norm_params.h"
 
 namespace jaxops::layer_norm {
@@ -202,6 +203,7 @@ __device__ __forceinline__ acc_t<T> team_pass_sum(const Pack<T, kPack> (&xp)[kPa
 template <class T, int kPack, int kPacks, int kWidth, int kRows>
 __global__ void __launch_bounds__(128, forward_min_blocks<T>(kPack* kPacks * kRows * sizeof(T)))
     forward_team(ForwardArgs a) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   const Shape s = a.shape;
   const int teams = blockDim.x / kWidth, team = threadIdx.x / kWidth, lane = threadIdx.x % kWidth;
@@ -265,6 +267,7 @@ __global__ void __launch_bounds__(128, forward_min_blocks<T>(kPack* kPacks * kRo
 // thread had only one 16-byte load (two in the backward) in flight.
 template <class T, int kPack>
 __global__ void __launch_bounds__(1024) forward_block(ForwardArgs a) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   // 16-bit packs: a write chunk of 2 spilled at the 64-register cap of 1024 threads.
   constexpr int kLoadChunk = kPack > 1 ? 4 : 1, kWriteChunk = kPack > 1 && sizeof(T) == 4 ? 2 : 1;
@@ -354,6 +357,7 @@ __device__ __forceinline__ Welford<A> merge(Welford<A> a, Welford<A> b) {
 // rms_norm keeps mean == 0, so m2 is the plain sum of squares.
 template <class T, int kPack>
 __global__ void __launch_bounds__(1024) forward_uncached(ForwardArgs a) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   __shared__ A scratch[3 * 32];
   const Shape s = a.shape;
@@ -506,6 +510,7 @@ __device__ __forceinline__ void row_stats(const BackwardArgs& a, int64_t row, ac
 // shared memory: nacc * cols values) and written as the slot's partial row.
 template <class T, int kPack, int kPacks, int kWidth>
 __global__ void __launch_bounds__(256) backward_team(BackwardArgs a, int64_t used) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* buf = reinterpret_cast<A*>(smem_raw);  // nacc * cols
@@ -629,6 +634,7 @@ constexpr size_t warp_acc_smem(int threads, int nacc) {
 // caps registers so that at least that many 256-thread blocks fit one SM.
 template <class T, int kPack, int kPacks, int kMinBlocks>
 __global__ void __launch_bounds__(256, kMinBlocks) backward_warp(BackwardArgs a, int64_t used) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   using L = WarpAccLayout<A, kPack, kPacks>;
   using Chunk = Pack<A, L::kChunk>;
@@ -739,6 +745,7 @@ __global__ void __launch_bounds__(256, kMinBlocks) backward_warp(BackwardArgs a,
 // it owns (packs threadIdx.x + k * blockDim.x), so only the row reductions need barriers.
 template <class T, int kPack, bool kCached>
 __global__ void __launch_bounds__(1024) backward_block(BackwardArgs a, int64_t used) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ A scratch[64];
@@ -841,6 +848,7 @@ __device__ __forceinline__ void load_row_packs(const T* x, const T* dy, int64_t 
 // backward_rows_lean (session 5); the register-accumulator branch for them was removed (session 6).
 template <class T, int kPack, int kPacks>
 __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t used) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   __shared__ A scratch[64];
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -949,6 +957,7 @@ constexpr int kSlotLanes = 32;
 
 template <class T>
 __global__ void __launch_bounds__(32 * kSlotLanes) reduce_slots(BackwardArgs a, int64_t used) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   __shared__ A part[kSlotLanes][33];
   const Shape s = a.shape;

@@ -238,6 +238,7 @@ constexpr int lean_min_blocks(int packs, int bytes) {
 template <class T, int kPack, int kPacks, int kWidth, int kRows>
 __global__ void __launch_bounds__(128, lean_min_blocks<T>(kPacks, kPack* kPacks * kRows * sizeof(T)))
     forward_lean(ForwardArgs a) {
+  cuda::enter_kernel();
   static_assert(sizeof(T) <= 4 && kPack * sizeof(T) == 16, "16-byte packs of float / 16-bit types");
   if (a.shape.rms) forward_lean_body<T, kPack, kPacks, kWidth, kRows, true>(a);
   else forward_lean_body<T, kPack, kPacks, kWidth, kRows, false>(a);

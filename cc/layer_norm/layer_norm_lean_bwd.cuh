@@ -207,6 +207,7 @@ template <class T, int kPack, int kPacks, bool kPrefetch = false>
 __global__ void __launch_bounds__(lean_rows_max_threads<kPacks, kPrefetch>(),
                                   lean_rows_min_blocks<kPacks, kPrefetch>())
     backward_rows_lean(BackwardArgs a, int64_t used) {
+  cuda::enter_kernel();
   static_assert(sizeof(T) == 2 && kPack == 8, "8-element packs of bfloat16 / float16");
   __shared__ float2 scratch[32];  // (one array for both bodies)
   if (a.shape.rms) backward_rows_lean_body<T, kPack, kPacks, true, kPrefetch>(a, used, scratch);

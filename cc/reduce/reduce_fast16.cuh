@@ -69,6 +69,7 @@ constexpr bool ext16_path() {
 }
 
 constexpr int kArgSegment = 256;  // packs per segment (< 2^16; small enough for a GPU test to cross)
+constexpr int kTailPacks = 2;     // packs a max/min tail loads at once (see add_span_generic)
 
 template <class V>
 __device__ __forceinline__ V as_vec2(uint32_t w) {
@@ -206,10 +207,16 @@ __device__ __forceinline__ void ext16_stream(typename Op::State (&st)[8], const 
 #pragma unroll
       for (int w = 0; w < 4; ++w) run[w] = extremum2<kMax>(run[w], as_vec2<V>(word(pk[u], w)));
   }
-  for (; k < count; ++k, p += step) {
-    const uint4 pk = load16<kVec>(p);
+  for (; k < count; k += kTailPacks, p += kTailPacks * step) {  // the last < U packs (see add_span_generic)
+    uint4 pk[kTailPacks];
 #pragma unroll
-    for (int w = 0; w < 4; ++w) run[w] = extremum2<kMax>(run[w], as_vec2<V>(word(pk, w)));
+    for (int u = 0; u < kTailPacks; ++u)
+      if (k + u < count) pk[u] = load16<kVec>(p + u * step);
+#pragma unroll
+    for (int u = 0; u < kTailPacks; ++u)
+      if (k + u < count)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) run[w] = extremum2<kMax>(run[w], as_vec2<V>(word(pk[u], w)));
   }
 #pragma unroll
   for (int w = 0; w < 4; ++w) {

@@ -20,6 +20,7 @@
 #include <cstring>
 
 #include "common/cuda_util.cuh"
+#include "common/launch.cuh"
 #include "reduce/reduce_cuda.h"
 #include "reduce/reduce_fast16.cuh"
 #include "reduce/reduce_ops.h"
@@ -192,7 +193,14 @@ __device__ __forceinline__ typename Op::State fold_slots(typename Op::State (&ac
   return acc[0];
 }
 
-// The generic loop of add_span (below).
+// The generic loop of add_span (below). A row shorter than U packs a lane never enters the
+// unrolled loop (128 columns: 4 float32 packs a lane), and a pack-at-a-time tail keeps one load in
+// flight: 128-column float32 row sums ran at 0.84 of XLA. So float32 sum/max/min/mean (f32_wide)
+// and the packed 16-bit max/min (ext16_stream) load their tail kTailPacks packs at a time before
+// use (session 9, H100, 524288x128: f32 sum 106.5 -> 91.5 us, max 107.8 -> 93.0; bf16 max 80.6 ->
+// 63.8). Not everywhere: the same tail made bf16 sum 128 slower (61.7 -> 66.8) and float32 argmax
+// 16384x4096 (no tail at all, but 8 more registers) 90.9 -> 96.5; tails of U / 2 or U predicated
+// packs spilled the 80-register 16-bit arg kernels. The additions keep their order: same results.
 template <class Op, class T, int P, bool V, int U, int S, class Idx>
 __device__ __forceinline__ void add_span_generic(typename Op::State& s, const T* x, Idx begin, Idx end, int t,
                                                  int nthreads) {
@@ -210,10 +218,17 @@ __device__ __forceinline__ void add_span_generic(typename Op::State& s, const T*
 #pragma unroll
       for (int j = 0; j < P; ++j) Op::add(acc[j % S], to_acc(pk[u].v[j]), c + u * stride + j);
   }
-  for (; c < end; c += stride) {
-    const Pack<T, P> pk = load_pack_v<T, P, V>(x + c);
+  constexpr int kTail = f32_wide<Op, T, P>() ? kTailPacks : 1;
+  for (; c < end; c += kTail * stride) {  // the last < U packs
+    Pack<T, P> pk[kTail];
 #pragma unroll
-    for (int j = 0; j < P; ++j) Op::add(acc[j % S], to_acc(pk.v[j]), c + j);
+    for (int u = 0; u < kTail; ++u)
+      if (c + u * stride < end) pk[u] = load_pack_v<T, P, V>(x + c + u * stride);
+#pragma unroll
+    for (int u = 0; u < kTail; ++u)
+      if (c + u * stride < end)
+#pragma unroll
+        for (int j = 0; j < P; ++j) Op::add(acc[j % S], to_acc(pk[u].v[j]), c + u * stride + j);
   }
   s = Op::merge(s, fold_slots<Op, S>(acc));
 }
@@ -264,6 +279,7 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
 template <class Op, class T, int P, bool V>
 __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
     row_warp_kernel(const T* __restrict__ x, void* y, int64_t rows, int64_t n, int group) {
+  cuda::enter_kernel();
   const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
   const int per_warp = 32 / group;
   for (int64_t row0 = (static_cast<int64_t>(blockIdx.x) * warps + threadIdx.x / 32) * per_warp; row0 < rows;
@@ -283,6 +299,7 @@ template <class Op, class T, int P, bool V>
 __global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, P, V>(max_row_block_threads<T>()))
     row_block_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t rows, int64_t n,
                      int64_t splits, int64_t chunk) {
+  cuda::enter_kernel();
   for (int64_t b = blockIdx.x; b < rows * splits; b += gridDim.x) {
     const int64_t row = b / splits, split = b % splits;
     const int64_t begin = split * chunk;
@@ -302,6 +319,7 @@ template <class Op, class T, int P, bool V>
 __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
     column_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t outer, int64_t n,
                   int64_t inner, int64_t splits, int64_t chunk, int64_t tiles) {
+  cuda::enter_kernel();
   using S = typename Op::State;
   extern __shared__ unsigned char smem_raw[];
   S* smem = reinterpret_cast<S*>(smem_raw);  // [TY][TX * P]
@@ -365,6 +383,7 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
 template <class Op, class T>
 __global__ void merge_kernel(const typename Op::State* __restrict__ ws, void* y, int64_t outer,
                              int64_t splits, int64_t inner, int64_t tiles, int64_t count) {
+  cuda::enter_kernel();
   using S = typename Op::State;
   extern __shared__ unsigned char smem_raw[];
   S* smem = reinterpret_cast<S*>(smem_raw);  // [TY][TX]
@@ -411,9 +430,8 @@ cudaError_t merge_partials(const typename Op::State* ws, void* y, const Plan& p,
   const int TX = pow2_at_least(p.inner, 8), TY = kBlockThreads / TX;
   const int64_t tiles = (p.inner + TX - 1) / TX;
   const size_t smem = sizeof(typename Op::State) * kBlockThreads;
-  merge_kernel<Op, T><<<grid_for(p.outer * tiles), dim3(TX, TY), smem, stream>>>(
-      ws, y, p.outer, p.splits, p.inner, tiles, p.reduced);
-  return cudaGetLastError();
+  return cuda::launch_kernel(merge_kernel<Op, T>, grid_for(p.outer * tiles), dim3(TX, TY), smem, stream, ws, y, p.outer,
+      p.splits, p.inner, tiles, p.reduced);
 }
 
 template <class Op, class T, int P, bool V>
@@ -425,18 +443,16 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
     int group = 32;
     while (group > kMinRowLanes && static_cast<int64_t>(group) * unroll_for<Op, T, P>() > packs) group /= 2;
     const int64_t rows_per_block = kWarps * (32 / group);
-    row_warp_kernel<Op, T, P, V><<<grid_for((p.outer + rows_per_block - 1) / rows_per_block), kWarps * 32, 0,
-                                   stream>>>(x, y, p.outer, n, group);
-    return cudaGetLastError();
+    return cuda::launch_kernel(row_warp_kernel<Op, T, P, V>, grid_for((p.outer + rows_per_block - 1) / rows_per_block),
+        kWarps * 32, 0, stream, x, y, p.outer, n, group);
   }
   // Chunks are whole packs; chunk >= n / splits so `splits` chunks cover the row.
   int64_t chunk = (n + p.splits - 1) / p.splits;
   chunk = (chunk + P - 1) / P * P;
   const int threads = chunk >= 32768 ? max_row_block_threads<T>() : 256;
   const bool split = p.splits > 1;
-  row_block_kernel<Op, T, P, V><<<grid_for(p.outer * p.splits), threads, 0, stream>>>(
-      x, y, split ? ws : nullptr, p.outer, n, p.splits, chunk);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess || !split) return err;
+  if (cudaError_t err = cuda::launch_kernel(row_block_kernel<Op, T, P, V>, grid_for(p.outer * p.splits), threads, 0,
+      stream, x, y, split ? ws : nullptr, p.outer, n, p.splits, chunk); err != cudaSuccess || !split) return err;
   return merge_partials<Op, T>(ws, y, p, stream);
 }
 
@@ -447,9 +463,9 @@ cudaError_t launch_columns(const T* x, void* y, typename Op::State* ws, const Pl
   const int64_t chunk = (p.reduced + p.splits - 1) / p.splits;
   const size_t smem = sizeof(typename Op::State) * P * kBlockThreads;
   const bool split = p.splits > 1;
-  column_kernel<Op, T, P, V><<<grid_for(p.outer * p.splits * tiles), dim3(TX, TY), smem, stream>>>(
-      x, y, split ? ws : nullptr, p.outer, p.reduced, p.inner, p.splits, chunk, tiles);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess || !split) return err;
+  if (cudaError_t err = cuda::launch_kernel(column_kernel<Op, T, P, V>, grid_for(p.outer * p.splits * tiles),
+      dim3(TX, TY), smem, stream, x, y, split ? ws : nullptr, p.outer, p.reduced, p.inner, p.splits, chunk,
+      tiles); err != cudaSuccess || !split) return err;
   return merge_partials<Op, T>(ws, y, p, stream);
 }
 

@@ -10,6 +10,7 @@
 
 #include "common/bitmask.cuh"
 #include "common/cuda_util.cuh"
+#include "common/launch.cuh"
 #include "relu/relu_chunk.cuh"
 #include "relu/relu_launch.h"
 
@@ -26,6 +27,7 @@ template <class T, int P>
 __global__ void __launch_bounds__(kThreads)
 forward_kernel(const T* __restrict__ x, T* __restrict__ y, uint32_t* __restrict__ mask, int64_t cols,
                int64_t chunks_per_row, int64_t chunks, int64_t wpr) {
+  cuda::enter_kernel();
   const int lane = threadIdx.x % 32;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
   // The loop bound and the path choice are per warp, so the warp collectives see all 32 lanes.
@@ -58,6 +60,7 @@ template <class T, int P>
 __global__ void __launch_bounds__(kThreads)
 backward_kernel(const T* __restrict__ dy, const uint32_t* __restrict__ mask, T* __restrict__ dx,
                 int64_t cols, int64_t chunks_per_row, int64_t chunks, int64_t wpr) {
+  cuda::enter_kernel();
   const int lane = threadIdx.x % 32;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t chunk = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; chunk < chunks;
@@ -100,8 +103,8 @@ cudaError_t forward_cuda(cudaStream_t stream, Dtype dtype, const void* x, void* 
     const int64_t cpr = (cols + 32 * P - 1) / (32 * P);
     int blocks = 0;
     if (cudaError_t err = grid_for(rows * cpr, &blocks)) return err;
-    forward_kernel<T, P><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<T*>(y), mask,
-                                                          cols, cpr, rows * cpr, words_per_row);
+    if (cudaError_t err = cuda::launch_kernel(forward_kernel<T, P>, blocks, kThreads, 0, stream,
+        static_cast<const T*>(x), static_cast<T*>(y), mask, cols, cpr, rows * cpr, words_per_row)) return err;
   });
   return cudaGetLastError();
 }
@@ -113,8 +116,8 @@ cudaError_t backward_cuda(cudaStream_t stream, Dtype dtype, const void* dy, cons
     const int64_t cpr = (cols + 32 * P - 1) / (32 * P);
     int blocks = 0;
     if (cudaError_t err = grid_for(rows * cpr, &blocks)) return err;
-    backward_kernel<T, P><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(dy), mask, static_cast<T*>(dx),
-                                                           cols, cpr, rows * cpr, words_per_row);
+    if (cudaError_t err = cuda::launch_kernel(backward_kernel<T, P>, blocks, kThreads, 0, stream,
+        static_cast<const T*>(dy), mask, static_cast<T*>(dx), cols, cpr, rows * cpr, words_per_row)) return err;
   });
   return cudaGetLastError();
 }

@@ -80,6 +80,7 @@ template <class T, int P, int W, int K>
 __global__ void __launch_bounds__(kWarpBlockThreads, (kWarpMinBlocks<T, P, W, K>))
 forward_warp(const T* __restrict__ x, const bool* __restrict__ mask, T* __restrict__ y, int64_t rows,
              int64_t cols, bool log) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   constexpr int N = K * P;
   static_assert(N <= 32, "masked bits live in one word");
@@ -152,6 +153,7 @@ template <class T, int P, int W, int K>
 __global__ void __launch_bounds__(kWarpBlockThreads)
 backward_warp(const T* __restrict__ y, const T* __restrict__ dy, const bool* __restrict__ mask,
               T* __restrict__ dx, int64_t rows, int64_t cols, bool log) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   constexpr int N = K * P;
   static_assert(N <= 32, "masked bits live in one word");
@@ -328,6 +330,7 @@ template <class T, int P, bool kMaskable>
 __global__ void __launch_bounds__(1024)
 forward_cached(const T* __restrict__ x, const bool* __restrict__ mask_arg, T* __restrict__ y, int64_t rows,
                int64_t cols, int64_t slice, bool log) {
+  cuda::enter_kernel();
   static_assert(kMaskable || kAsyncPack<T, P>, "the unmaskable kernel copies 16-byte packs");
   using A = acc_t<T>;
   const bool* const mask = kMaskable ? mask_arg : nullptr;
@@ -420,6 +423,7 @@ template <class T, int P>
 __global__ void __launch_bounds__(1024)
 backward_cached(const T* __restrict__ y, const T* __restrict__ dy, const bool* __restrict__ mask,
                 T* __restrict__ dx, int64_t rows, int64_t cols, int64_t slice, bool log) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   extern __shared__ __align__(16) unsigned char smem[];
   T* cache_y = reinterpret_cast<T*>(smem);
@@ -504,6 +508,7 @@ template <class T, int P>
 __global__ void __launch_bounds__(1024)
 backward_cached_lean(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx, int64_t rows,
                      int64_t cols, int64_t slice, unsigned prefetch_bytes, bool log) {
+  cuda::enter_kernel();
   static_assert(kAsyncPack<T, P>, "the lean backward copies 16-byte packs");
   using A = acc_t<T>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -594,6 +599,7 @@ template <class T, int P>
 __global__ void __launch_bounds__(1024)
 forward_uncached(const T* __restrict__ x, const bool* __restrict__ mask, T* __restrict__ y, int64_t rows,
                  int64_t cols, bool log) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   __shared__ A scratch[33];
   const int64_t npacks = cols / P;
@@ -643,6 +649,7 @@ template <class T, int P>
 __global__ void __launch_bounds__(1024)
 backward_uncached(const T* __restrict__ y, const T* __restrict__ dy, const bool* __restrict__ mask,
                   T* __restrict__ dx, int64_t rows, int64_t cols, bool log) {
+  cuda::enter_kernel();
   using A = acc_t<T>;
   __shared__ A scratch[33];
   const int64_t npacks = cols / P;
@@ -825,9 +832,8 @@ cudaError_t forward_packed(const T* x, const bool* mask, T* y, int64_t rows, int
   if (cols <= kWarpMaxCols) {
     return with_warp_shape<P, 2>(cols, [&](auto w, auto k) {
       constexpr int W = decltype(w)::value, K = decltype(k)::value;
-      forward_warp<T, P, W, K><<<forward_warp_grid(rows, W), kWarpBlockThreads, 0, stream>>>(x, mask, y, rows,
-                                                                                             cols, log);
-      return cudaGetLastError();
+      return cuda::launch_kernel(forward_warp<T, P, W, K>, forward_warp_grid(rows, W), kWarpBlockThreads, 0, stream, x,
+          mask, y, rows, cols, log);
     });
   }
   CachedPlan plan;
@@ -843,8 +849,8 @@ cudaError_t forward_packed(const T* x, const bool* mask, T* y, int64_t rows, int
     return launch_clustered(forward_cached<T, P, true>, cached_grid(rows, plan), plan.threads, plan.smem,
                             plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
   }
-  forward_uncached<T, P><<<uncached_grid(rows, dev), 1024, 0, stream>>>(x, mask, y, rows, cols, log);
-  return cudaGetLastError();
+  return cuda::launch_kernel(forward_uncached<T, P>, uncached_grid(rows, dev), 1024, 0, stream, x, mask, y, rows, cols,
+      log);
 }
 
 template <class T, int P>
@@ -853,9 +859,8 @@ cudaError_t backward_packed(const T* y, const T* dy, const bool* mask, T* dx, in
   if (cols <= kWarpMaxCols) {
     return with_warp_shape<P, 1>(cols, [&](auto w, auto k) {
       constexpr int W = decltype(w)::value, K = decltype(k)::value;
-      backward_warp<T, P, W, K><<<warp_grid(rows, W, dev), kWarpBlockThreads, 0, stream>>>(y, dy, mask, dx, rows,
-                                                                                           cols, log);
-      return cudaGetLastError();
+      return cuda::launch_kernel(backward_warp<T, P, W, K>, warp_grid(rows, W, dev), kWarpBlockThreads, 0, stream, y,
+          dy, mask, dx, rows, cols, log);
     });
   }
   CachedPlan plan;
@@ -873,8 +878,8 @@ cudaError_t backward_packed(const T* y, const T* dy, const bool* mask, T* dx, in
     return launch_clustered(backward_cached<T, P>, cached_grid(rows, plan), plan.threads, plan.smem,
                             plan.cluster, stream, y, dy, mask, dx, rows, cols, plan.slice, log);
   }
-  backward_uncached<T, P><<<uncached_grid(rows, dev), 1024, 0, stream>>>(y, dy, mask, dx, rows, cols, log);
-  return cudaGetLastError();
+  return cuda::launch_kernel(backward_uncached<T, P>, uncached_grid(rows, dev), 1024, 0, stream, y, dy, mask, dx, rows,
+      cols, log);
 }
 
 // 16-byte packs when the row length and pointers allow, else single elements.
