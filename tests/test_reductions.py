@@ -40,7 +40,7 @@ CASES = [
     ((1, 1), None),
     ((300, 100), 1),          # short rows: warp per row (odd: scalar loads)
     ((37, 1024), -1),         # warp per row, 16-byte loads (16 lanes a row for 2-byte types)
-    ((133, 64), 1),           # short rows: 8 lanes a row, 4 rows a warp, last warp partial
+    ((133, 64), 1),           # short rows: 2-4 lanes a row, 8-16 rows a warp, last warp partial
     ((45, 256), 1),           # 8 (2-byte) or 16 (4-byte) lanes a row, several packs a lane
     ((29, 128), -1),          # fewer packs a lane than the unrolled loop: the batched tail only
     ((61, 96), 1),            # tails of 3 (4-byte) and of 1 or 2 packs (2-byte): odd tail batches

@@ -16,7 +16,6 @@
 
 #include <climits>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
 #include "common/cuda_util.cuh"
@@ -33,7 +32,7 @@ using cuda::Pack;
 using cuda::to_acc;
 
 constexpr int kWarpRowMax = 4096;    // rows up to this length go to row_warp_kernel (_WARP_ROW_MAX)
-constexpr int kMinRowLanes = 8;      // >= 8 lanes x 16 B per row keeps each warp load 128 B-coalesced
+constexpr int kMinRowLanes = 2;      // see row_warp_kernel
 constexpr int kBlockThreads = 256;   // column / merge kernels
 constexpr int kMaxGrid = INT_MAX;
 
@@ -193,14 +192,15 @@ __device__ __forceinline__ typename Op::State fold_slots(typename Op::State (&ac
   return acc[0];
 }
 
-// The generic loop of add_span (below). A row shorter than U packs a lane never enters the
-// unrolled loop (128 columns: 4 float32 packs a lane), and a pack-at-a-time tail keeps one load in
-// flight: 128-column float32 row sums ran at 0.84 of XLA. So float32 sum/max/min/mean (f32_wide)
+// The generic loop of add_span (below). Rows whose packs do not divide into U a lane end in a
+// tail, and a pack-at-a-time tail keeps one load in flight. float32 sum/max/min/mean (f32_wide)
 // and the packed 16-bit max/min (ext16_stream) load their tail kTailPacks packs at a time before
-// use (session 9, H100, 524288x128: f32 sum 106.5 -> 91.5 us, max 107.8 -> 93.0; bf16 max 80.6 ->
-// 63.8). Not everywhere: the same tail made bf16 sum 128 slower (61.7 -> 66.8) and float32 argmax
-// 16384x4096 (no tail at all, but 8 more registers) 90.9 -> 96.5; tails of U / 2 or U predicated
-// packs spilled the 80-register 16-bit arg kernels. The additions keep their order: same results.
+// use (session 9, H100, 524288x128 with 8 lanes a row, i.e. 4 packs a lane: f32 sum 106.5 -> 91.5
+// us, max 107.8 -> 93.0; bf16 max 80.6 -> 63.8; 128-column rows have since moved to 2-4 lanes and
+// no tail, see row_warp_kernel). Not everywhere: the same tail made bf16 sum slower (61.7 -> 66.8)
+// and float32 argmax 16384x4096 (no tail at all, but 8 more registers) 90.9 -> 96.5; tails of
+// U / 2 or U predicated packs spilled the 80-register 16-bit arg kernels. The additions keep their
+// order, so results do not change.
 template <class Op, class T, int P, bool V, int U, int S, class Idx>
 __device__ __forceinline__ void add_span_generic(typename Op::State& s, const T* x, Idx begin, Idx end, int t,
                                                  int nthreads) {
@@ -271,11 +271,16 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
   }
 }
 
-// inner == 1, short rows: `group` lanes per row (a power of two, 8..32), 32 / group rows per
+// inner == 1, short rows: `group` lanes per row (a power of two, 2..32), 32 / group rows per
 // warp. Short rows get fewer lanes so each lane still has unroll_for<Op, T, P>() packs in flight
-// (a 1024-long bf16 row is 128 packs: 16 lanes x 8, two rows per warp); never fewer than 8
-// lanes, so every warp load covers whole 128-byte segments. Group merges use xor shuffles
-// with offsets < group, which stay inside the aligned group of lanes.
+// (a 1024-long bf16 row is 128 packs: 16 lanes x 8, two rows per warp; a 128-long one 2 lanes x
+// 8, sixteen rows per warp). A warp load then covers 16 rows x 32 B: whole sectors, all used.
+// Sessions 1-8 kept >= 8 lanes for 128-byte segments a row, which left 128- and 256-column rows
+// with 1-4 packs a lane (session 9, H100, bf16 524288x128 / 262144x256 with 8 -> 2 lanes: sum
+// 61.6 -> 50.7 / 56.2 -> 45.9 us, max 63.7 -> 50.4 / 51.2 -> 46.2, logsumexp 116.5 -> 49.8 /
+// 87.8 -> 47.3, argmax 119.1 -> 51.3 / 87.7 -> 48.0; float32 unchanged within 1 %; 4 lanes sat
+// in between). Group merges use xor shuffles with offsets < group, which stay inside the
+// aligned group of lanes.
 template <class Op, class T, int P, bool V>
 __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
     row_warp_kernel(const T* __restrict__ x, void* y, int64_t rows, int64_t n, int group) {
