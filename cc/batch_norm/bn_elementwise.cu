@@ -430,6 +430,7 @@ size_t coef_smem(bool fixed, int64_t C) {
 
 }  // namespace
 
+// Launched serially, like the statistics (see stats_cuda).
 cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const void* scale,
                        const void* bias, const void* mean, const void* var, const void* residual, void* y,
                        uint32_t* mask, void* coef, double eps, bool relu) {
@@ -439,7 +440,7 @@ cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const 
     const int64_t n = v.groups * v.channels, L = v.elements_per_group();
     const bool fixed = v.groups == 1;
     if (!fixed) {  // the register path computes its coefficients itself
-      if (cudaError_t err = cuda::launch_kernel(forward_coef_kernel<A>, coef_blocks(n), 256, 0, stream,
+      if (cudaError_t err = cuda::launch_serial(forward_coef_kernel<A>, coef_blocks(n), 256, 0, stream,
           static_cast<const A*>(scale), static_cast<const A*>(bias), static_cast<const A*>(mean),
           static_cast<const A*>(var), static_cast<Coef<A>*>(coef), n, A(eps)))
         return err;
@@ -456,7 +457,7 @@ cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const 
                                     : chunk_grid(v.groups * cpr, &blocks))
           return err;
         auto kernel = fixed ? apply_s4_kernel<U, P, true> : apply_s4_kernel<U, P, false>;
-        return cuda::launch_kernel(kernel, blocks, kThreads, 0, stream, static_cast<const U*>(x),
+        return cuda::launch_serial(kernel, blocks, kThreads, 0, stream, static_cast<const U*>(x),
             static_cast<const U*>(residual), static_cast<const Coef<A>*>(coef), static_cast<U*>(y), mask, L, v.channels,
             cpr, v.groups * cpr, v.mask_words, vec, relu, static_cast<const A*>(scale), static_cast<const A*>(bias),
             static_cast<const A*>(mean), static_cast<const A*>(var), A(eps));
@@ -467,7 +468,7 @@ cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const 
           return err;
         const Segments sg = segments(blocks, v.groups * cpr, false);
         auto kernel = fixed ? apply_kernel<U, P, true> : apply_kernel<U, P, false>;
-        return cuda::launch_kernel(kernel, sg.blocks, kThreads, coef_smem<U>(fixed, v.channels), stream,
+        return cuda::launch_serial(kernel, sg.blocks, kThreads, coef_smem<U>(fixed, v.channels), stream,
             static_cast<const U*>(x), static_cast<const U*>(residual), static_cast<const Coef<A>*>(coef),
             static_cast<U*>(y), mask, L, v.channels, cpr, v.groups * cpr, v.mask_words, vec, relu,
             static_cast<const A*>(scale), static_cast<const A*>(bias), static_cast<const A*>(mean),

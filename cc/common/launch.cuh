@@ -89,17 +89,30 @@ inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t smem, int 
 }
 
 // Launches `kernel` (which must begin with enter_kernel()) like <<<grid, block, smem, stream>>>,
-// overlapping the previous kernel where the device allows it.
+// overlapping the previous kernel when `overlap` and the device allows it.
 template <class Kernel, class... Args>
-cudaError_t launch_kernel(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                          Args... args) {
+cudaError_t launch_kernel_with(bool overlap, Kernel kernel, dim3 grid, dim3 block, size_t smem,
+                               cudaStream_t stream, Args... args) {
   DeviceInfo dev;
   if (cudaError_t err = device_info(&dev); err != cudaSuccess) return err;
   cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t config = launch_config(grid, block, smem, 1, dependent_launch(dev), stream, attrs);
+  const cudaLaunchConfig_t config =
+      launch_config(grid, block, smem, 1, overlap && dependent_launch(dev), stream, attrs);
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, args...);
   const cudaError_t last = cudaGetLastError();  // also clears the launch's error state
   return err != cudaSuccess ? err : last;
+}
+
+// The usual launch: overlaps the previous kernel where the device allows it.
+template <class Kernel, class... Args>
+cudaError_t launch_kernel(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args... args) {
+  return launch_kernel_with(true, kernel, grid, block, smem, stream, args...);
+}
+
+// For kernels measured slower when overlapped: scheduled only once the previous kernel is done.
+template <class Kernel, class... Args>
+cudaError_t launch_serial(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args... args) {
+  return launch_kernel_with(false, kernel, grid, block, smem, stream, args...);
 }
 
 // Clusters of more than 8 blocks need an opt-in per kernel.
