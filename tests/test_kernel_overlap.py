@@ -67,13 +67,14 @@ def _reference_lib():
             "layer_norm": layer_norm, "rms_norm": rms_norm, "batch_norm": batch_norm}
 
 
-def _reductions(lib_sum, lib_max, lib_argmax, lib_lse, v):
-    return {"sum_rows": lib_sum(v, axis=-1), "sum_cols": lib_sum(v, axis=0), "max_all": lib_max(v),
-            "argmax_rows": lib_argmax(v, axis=-1), "logsumexp_rows": lib_lse(v, axis=-1)}
+def _reduction_steps(lib_sum, lib_max, lib_argmax, lib_lse):
+    """The reductions that end the chain, as name -> fn(previous)."""
+    return {"sum_rows": lambda v: lib_sum(v, axis=-1), "sum_cols": lambda v: lib_sum(v, axis=0),
+            "max_all": lib_max, "argmax_rows": lambda v: lib_argmax(v, axis=-1),
+            "logsumexp_rows": lambda v: lib_lse(v, axis=-1)}
 
 
-def _jaxops_reductions(v):
-    return _reductions(jaxops.sum, jaxops.max, jaxops.argmax, jaxops.logsumexp, v)
+JAXOPS_REDUCTIONS = _reduction_steps(jaxops.sum, jaxops.max, jaxops.argmax, jaxops.logsumexp)
 
 
 @jax.jit
@@ -81,7 +82,7 @@ def _fused_chain(x, scale, bias):
     out, v = {}, x
     for name, step in _chain_steps(_jaxops_lib()):
         v = out[name] = step(v, scale, bias)
-    out.update(_jaxops_reductions(v))
+    out.update({name: fn(v) for name, fn in JAXOPS_REDUCTIONS.items()})
     return out
 
 
@@ -90,9 +91,7 @@ def _one_at_a_time(x, scale, bias):
     out, v = {}, x
     for name, step in _chain_steps(_jaxops_lib()):
         v = out[name] = jax.block_until_ready(jax.jit(step)(v, scale, bias))
-    for name, fn in (("sum_rows", lambda a: jaxops.sum(a, axis=-1)), ("sum_cols", lambda a: jaxops.sum(a, axis=0)),
-                     ("max_all", jaxops.max), ("argmax_rows", lambda a: jaxops.argmax(a, axis=-1)),
-                     ("logsumexp_rows", lambda a: jaxops.logsumexp(a, axis=-1))):
+    for name, fn in JAXOPS_REDUCTIONS.items():
         out[name] = jax.block_until_ready(jax.jit(fn)(v))
     return out
 
@@ -122,8 +121,9 @@ def test_chain_matches_reference():
     for name, step in _chain_steps(_reference_lib()):
         assert_close(fused[name], step(previous, scale, bias), rtol=1e-3, atol=1e-3, err_msg=name)
         previous = fused[name]
-    ref = _reductions(jnp.sum, jnp.max, jnp.argmax, jax.nn.logsumexp, fused["batch_norm"])
-    for name, want in ref.items():
+    ref = _reduction_steps(jnp.sum, jnp.max, jnp.argmax, jax.nn.logsumexp)
+    for name, fn in ref.items():
+        want = fn(fused["batch_norm"])
         if name == "argmax_rows":
             np.testing.assert_array_equal(fused[name], want, err_msg=name)
         else:
