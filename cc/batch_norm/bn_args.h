@@ -8,6 +8,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "batch_norm/bn_view.h"
 #include "common/ffi_util.h"
@@ -170,6 +171,99 @@ inline ffi::Error check_backward_dx(const ffi::AnyBuffer& dy, const ffi::AnyBuff
     if (auto err = check_same(op, "dresidual", x, dres); err.failure()) return err;
   if (auto err = check_coef(op, x, coef, *v); err.failure()) return err;
   return check_mask(op, x, mask, relu, v);
+}
+
+// ---- one FFI signature per target, used verbatim by the CPU and CUDA handlers ----
+// Operands, results and attributes in the order the Python side passes them. `b` is
+// ffi::Ffi::Bind(), with the stream context already bound on CUDA.
+
+// jaxops_bn_stats: x -> mean, var, ws.
+template <class Binding>
+auto bind_stats(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
+// jaxops_bn_apply: x, scale, bias, mean, var, residual -> y, mask, coef.
+template <class Binding>
+auto bind_apply(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<double>("epsilon")
+      .template Attr<int64_t>("relu")
+      .template Attr<int64_t>("with_mask")
+      .template Attr<int64_t>("has_residual");
+}
+
+// jaxops_bn_forward: x, scale, bias, residual -> y, mask, mean, var, ws, coef.
+template <class Binding>
+auto bind_forward(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<double>("epsilon")
+      .template Attr<int64_t>("relu")
+      .template Attr<int64_t>("with_mask")
+      .template Attr<int64_t>("has_residual");
+}
+
+// jaxops_bn_bwd_reduce: dy, x, mask, mean, var -> sum_dy, sum_dyxhat, ws.
+template <class Binding>
+auto bind_backward_reduce(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<double>("epsilon")
+      .template Attr<int64_t>("relu");
+}
+
+// jaxops_bn_bwd_dx: dy, x, mask, scale, mean, var, sum_dy, sum_dyxhat, dmean, dvar -> dx, dres, coef.
+template <class Binding>
+auto bind_backward_dx(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<double>("epsilon")
+      .template Attr<int64_t>("relu")
+      .template Attr<int64_t>("has_residual")
+      .template Attr<int64_t>("train")
+      .template Attr<int64_t>("count");
 }
 
 }  // namespace jaxops::batch_norm

@@ -92,75 +92,12 @@ ffi::Error BackwardDxCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mas
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormStatsCpu, StatsCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormApplyCpu, ApplyCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<double>("epsilon")
-                                  .Attr<int64_t>("relu")
-                                  .Attr<int64_t>("with_mask")
-                                  .Attr<int64_t>("has_residual"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormForwardCpu, ForwardCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<double>("epsilon")
-                                  .Attr<int64_t>("relu")
-                                  .Attr<int64_t>("with_mask")
-                                  .Attr<int64_t>("has_residual"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormStatsCpu, StatsCpu, bind_stats(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormApplyCpu, ApplyCpu, bind_apply(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormForwardCpu, ForwardCpu, bind_forward(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardReduceCpu, BackwardReduceCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<double>("epsilon")
-                                  .Attr<int64_t>("relu"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardDxCpu, BackwardDxCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<double>("epsilon")
-                                  .Attr<int64_t>("relu")
-                                  .Attr<int64_t>("has_residual")
-                                  .Attr<int64_t>("train")
-                                  .Attr<int64_t>("count"));
+                              bind_backward_reduce(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardDxCpu, BackwardDxCpu, bind_backward_dx(ffi::Ffi::Bind()));
 JAXOPS_REGISTER("jaxops_bn_stats", BatchNormStatsCpu);
 JAXOPS_REGISTER("jaxops_bn_apply", BatchNormApplyCpu);
 JAXOPS_REGISTER("jaxops_bn_forward", BatchNormForwardCpu);

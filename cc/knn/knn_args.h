@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "common/ffi_util.h"
 #include "knn/knn_view.h"
@@ -58,6 +59,24 @@ inline ffi::Error check_select(const ffi::AnyBuffer& tile, const ffi::AnyBuffer&
   v->n = n;
   v->distances = mode == 1;
   return ffi::Error::Success();
+}
+
+// FFI signature of jaxops_knn_select, written once so the CPU and CUDA handlers cannot disagree:
+// operands, results and attributes in the order the Python side passes them. `b` is
+// ffi::Ffi::Bind(), with the stream context already bound on CUDA.
+template <class Binding>
+auto bind_select(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()  // tile
+      .template Arg<ffi::AnyBuffer>()  // qn
+      .template Arg<ffi::AnyBuffer>()  // rn
+      .template Arg<ffi::AnyBuffer>()  // prev_d
+      .template Arg<ffi::AnyBuffer>()  // prev_i
+      .template Arg<ffi::AnyBuffer>()  // base
+      .template Ret<ffi::AnyBuffer>()  // out_d
+      .template Ret<ffi::AnyBuffer>()  // out_i
+      .template Attr<int64_t>("n")
+      .template Attr<int64_t>("mode");
 }
 
 }  // namespace jaxops::knn

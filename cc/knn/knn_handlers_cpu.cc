@@ -29,18 +29,7 @@ ffi::Error SelectCpuImpl(ffi::AnyBuffer tile, ffi::AnyBuffer qn, ffi::AnyBuffer 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KnnSelectCpu, SelectCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()   // tile
-                                  .Arg<ffi::AnyBuffer>()   // qn
-                                  .Arg<ffi::AnyBuffer>()   // rn
-                                  .Arg<ffi::AnyBuffer>()   // prev_d
-                                  .Arg<ffi::AnyBuffer>()   // prev_i
-                                  .Arg<ffi::AnyBuffer>()   // base
-                                  .Ret<ffi::AnyBuffer>()   // out_d
-                                  .Ret<ffi::AnyBuffer>()   // out_i
-                                  .Attr<int64_t>("n")
-                                  .Attr<int64_t>("mode"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KnnSelectCpu, SelectCpuImpl, bind_select(ffi::Ffi::Bind()));
 JAXOPS_REGISTER("jaxops_knn_select", KnnSelectCpu);
 
 }  // namespace jaxops::knn

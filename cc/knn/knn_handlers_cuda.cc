@@ -37,18 +37,7 @@ ffi::Error SelectCudaImpl(cudaStream_t stream, ffi::AnyBuffer tile, ffi::AnyBuff
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KnnSelectCuda, SelectCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()   // tile
-                                  .Arg<ffi::AnyBuffer>()   // qn
-                                  .Arg<ffi::AnyBuffer>()   // rn
-                                  .Arg<ffi::AnyBuffer>()   // prev_d
-                                  .Arg<ffi::AnyBuffer>()   // prev_i
-                                  .Arg<ffi::AnyBuffer>()   // base
-                                  .Ret<ffi::AnyBuffer>()   // out_d
-                                  .Ret<ffi::AnyBuffer>()   // out_i
-                                  .Attr<int64_t>("n")
-                                  .Attr<int64_t>("mode"),
+                              bind_select(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 JAXOPS_REGISTER("jaxops_knn_select", KnnSelectCuda);
 

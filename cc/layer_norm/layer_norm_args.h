@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "common/ffi_util.h"
 #include "layer_norm/layer_norm_params.h"
@@ -120,6 +121,62 @@ inline ffi::Error check_backward(bool rms, const ffi::AnyBuffer& x, const ffi::A
   a->dbias = dbias ? dbias->untyped_data() : nullptr;
   a->workspace = workspace.untyped_data();
   return ffi::Error::Success();
+}
+
+// FFI signature of each target, written once so the CPU and CUDA handlers cannot disagree:
+// operands, results and attributes in the order the Python side passes them. `b` is
+// ffi::Ffi::Bind(), with the stream context already bound on CUDA.
+
+// jaxops_layer_norm_fwd: x, scale, bias -> y, mean, rstd.
+template <class Binding>
+auto bind_layer_norm_fwd(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<double>("epsilon");
+}
+
+// jaxops_rms_norm_fwd: x, scale -> y, rstd.
+template <class Binding>
+auto bind_rms_norm_fwd(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<double>("epsilon");
+}
+
+// jaxops_layer_norm_bwd: x, scale, mean, rstd, dy -> dx, dscale, dbias, workspace.
+template <class Binding>
+auto bind_layer_norm_bwd(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
+// jaxops_rms_norm_bwd: x, scale, rstd, dy -> dx, dscale, workspace.
+template <class Binding>
+auto bind_rms_norm_bwd(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
 }
 
 }  // namespace jaxops::layer_norm

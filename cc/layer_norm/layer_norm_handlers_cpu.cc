@@ -50,42 +50,10 @@ ffi::Error RmsNormBwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormForwardCpu, LayerNormFwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<double>("epsilon"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormForwardCpu, RmsNormFwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<double>("epsilon"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormBackwardCpu, LayerNormBwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBackwardCpu, RmsNormBwdCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormForwardCpu, LayerNormFwdCpu, bind_layer_norm_fwd(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormForwardCpu, RmsNormFwdCpu, bind_rms_norm_fwd(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LayerNormBackwardCpu, LayerNormBwdCpu, bind_layer_norm_bwd(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBackwardCpu, RmsNormBwdCpu, bind_rms_norm_bwd(ffi::Ffi::Bind()));
 JAXOPS_REGISTER("jaxops_layer_norm_fwd", LayerNormForwardCpu);
 JAXOPS_REGISTER("jaxops_rms_norm_fwd", RmsNormForwardCpu);
 JAXOPS_REGISTER("jaxops_layer_norm_bwd", LayerNormBackwardCpu);

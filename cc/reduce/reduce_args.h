@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "common/ffi_util.h"
 #include "reduce/reduce_ops.h"
@@ -70,6 +71,19 @@ inline ffi::Error check_reduce(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
                                         " bytes is smaller than the " + std::to_string(need) + " needed");
   }
   return ffi::Error::Success();
+}
+
+// FFI signature of jaxops_reduce, written once so the CPU and CUDA handlers cannot disagree:
+// operands, results and attributes in the order the Python side passes them. `b` is
+// ffi::Ffi::Bind(), with the stream context already bound on CUDA.
+template <class Binding>
+auto bind_reduce(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("op")
+      .template Attr<int64_t>("splits");
 }
 
 }  // namespace jaxops::reduce

@@ -18,13 +18,7 @@ ffi::Error ReduceCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceCpu, ReduceCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("op")
-                                  .Attr<int64_t>("splits"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceCpu, ReduceCpuImpl, bind_reduce(ffi::Ffi::Bind()));
 JAXOPS_REGISTER("jaxops_reduce", ReduceCpu);
 
 }  // namespace jaxops::reduce

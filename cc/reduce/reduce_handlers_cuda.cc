@@ -33,13 +33,7 @@ ffi::Error ReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceCuda, ReduceCudaImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("op")
-                                  .Attr<int64_t>("splits"),
+                              bind_reduce(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 JAXOPS_REGISTER("jaxops_reduce", ReduceCuda);
 

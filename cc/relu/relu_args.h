@@ -3,6 +3,7 @@
 // so rows > 1 only under vmap); the mask holds ceil(cols/32) uint32 words per row.
 #pragma once
 #include <cstdint>
+#include <utility>
 
 #include "common/ffi_util.h"
 
@@ -55,6 +56,29 @@ inline ffi::Error check_backward(const ffi::AnyBuffer& dy, const ffi::AnyBuffer&
     return invalid_argument(op, "the gradient must match the cotangent's shape and dtype");
   rows_cols(dy, &v->rows, &v->cols);
   return check_mask(op, dy, mask, true, v);
+}
+
+// FFI signature of each target, written once so the CPU and CUDA handlers cannot disagree:
+// operands, results and attributes in the order the Python side passes them. `b` is
+// ffi::Ffi::Bind(), with the stream context already bound on CUDA.
+
+// jaxops_relu_fwd: x -> y, mask.
+template <class Binding>
+auto bind_forward(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("with_mask");
+}
+
+// jaxops_relu_bwd: dy, mask -> dx.
+template <class Binding>
+auto bind_backward(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
 }
 
 }  // namespace jaxops::relu

@@ -27,17 +27,8 @@ ffi::Error BackwardCpu(ffi::AnyBuffer dy, ffi::AnyBuffer mask, ffi::Result<ffi::
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ReluForwardCpu, ForwardCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("with_mask"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ReluBackwardCpu, BackwardCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ReluForwardCpu, ForwardCpu, bind_forward(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ReluBackwardCpu, BackwardCpu, bind_backward(ffi::Ffi::Bind()));
 JAXOPS_REGISTER("jaxops_relu_fwd", ReluForwardCpu);
 JAXOPS_REGISTER("jaxops_relu_bwd", ReluBackwardCpu);
 

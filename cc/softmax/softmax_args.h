@@ -2,6 +2,7 @@
 // before touching memory.
 #pragma once
 #include <cstdint>
+#include <utility>
 
 #include "common/ffi_util.h"
 
@@ -46,6 +47,33 @@ inline ffi::Error check_backward(const ffi::AnyBuffer& y, const ffi::AnyBuffer& 
   if (auto err = check_mask(op, y, mask, masked); err.failure()) return err;
   rows_cols(y, &view->rows, &view->cols);
   return ffi::Error::Success();
+}
+
+// FFI signature of each target, written once so the CPU and CUDA handlers cannot disagree:
+// operands, results and attributes in the order the Python side passes them. `b` is
+// ffi::Ffi::Bind(), with the stream context already bound on CUDA.
+
+// jaxops_softmax_fwd: x, mask -> y.
+template <class Binding>
+auto bind_forward(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("log")
+      .template Attr<int64_t>("masked");
+}
+
+// jaxops_softmax_bwd: y, dy, mask -> dx.
+template <class Binding>
+auto bind_backward(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("log")
+      .template Attr<int64_t>("masked");
 }
 
 }  // namespace jaxops::softmax

@@ -29,21 +29,8 @@ ffi::Error BackwardCpu(ffi::AnyBuffer y, ffi::AnyBuffer dy, ffi::AnyBuffer mask,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxForwardCpu, ForwardCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("log")
-                                  .Attr<int64_t>("masked"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxBackwardCpu, BackwardCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("log")
-                                  .Attr<int64_t>("masked"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxForwardCpu, ForwardCpu, bind_forward(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxBackwardCpu, BackwardCpu, bind_backward(ffi::Ffi::Bind()));
 JAXOPS_REGISTER("jaxops_softmax_fwd", SoftmaxForwardCpu);
 JAXOPS_REGISTER("jaxops_softmax_bwd", SoftmaxBackwardCpu);
 

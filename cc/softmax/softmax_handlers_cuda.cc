@@ -33,23 +33,10 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer dy
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxForwardCuda, ForwardCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("log")
-                                  .Attr<int64_t>("masked"),
+                              bind_forward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SoftmaxBackwardCuda, BackwardCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("log")
-                                  .Attr<int64_t>("masked"),
+                              bind_backward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 JAXOPS_REGISTER("jaxops_softmax_fwd", SoftmaxForwardCuda);
 JAXOPS_REGISTER("jaxops_softmax_bwd", SoftmaxBackwardCuda);
