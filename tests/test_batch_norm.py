@@ -164,24 +164,39 @@ def test_relu_mask_and_saved_residuals(key):
     assert ref_saved > 2 * saved
 
 
-@pytest.mark.parametrize("first_row_offset", [0.0, 5.0])
-def test_stability_large_mean(first_row_offset):
-    """mean 1e4, std 0.1: a sum-of-squares variance would cancel to garbage in float32, and an
-    unshifted float32 running mean (ulp(1e4) = 1e-3 = 1% of a std) drifts by about an ulp (the
-    first GPU round: 0.011 std). The mean must be the float32 rounding of the exact mean, as the
-    CPU twin's float64 path gives. Offset 5 (50 std) moves the first row, the GPU kernel's shift,
-    far from the mean."""
-    x = (1e4 + 0.1 * jax.random.normal(jax.random.key(7), (64, 33, 7), jnp.float32)).astype(jnp.float32)
-    x = x.at[0, 0].add(first_row_offset)
-    scale, bias = jnp.ones(7), jnp.zeros(7)
-    y, mean, var = jaxops.batch_norm(x, scale, bias)
-    x64 = np.asarray(x, np.float64).reshape(-1, 7)
+def check_stability(x):
+    """The mean must be the float32 rounding of the exact mean (as the CPU twin's float64 path
+    gives), the variance exact to 1e-3, y to the float32 rounding of the mean."""
+    c = x.shape[-1]
+    y, mean, var = jaxops.batch_norm(x, jnp.ones(c), jnp.zeros(c))
+    x64 = np.asarray(x, np.float64).reshape(-1, c)
     # rounding to float32 costs up to half an ulp; 0.6 ulp leaves room for the merges' last bits
     np.testing.assert_allclose(np.asarray(mean), x64.mean(0), rtol=0, atol=0.6 * np.spacing(np.float32(1e4)))
     np.testing.assert_allclose(np.asarray(var), x64.var(0), rtol=1e-3)
     yr = (x64 - x64.mean(0)) / np.sqrt(x64.var(0) + 1e-5)
     # y inherits the float32 rounding of mean (ulp(1e4)/2 = 5e-4, i.e. 5e-3 of a std)
-    np.testing.assert_allclose(np.asarray(y).reshape(-1, 7), yr, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, c), yr, atol=1e-2)
+
+
+@pytest.mark.parametrize("first_row_offset", [0.0, 5.0])
+def test_stability_large_mean(first_row_offset):
+    """mean 1e4, std 0.1: a sum-of-squares variance would cancel to garbage in float32, and an
+    unshifted float32 running mean (ulp(1e4) = 1e-3 = 1% of a std) drifts by about an ulp (the
+    first GPU round: 0.011 std). Offset 5 (50 std) moves the first row, the GPU kernel's shift,
+    far from the mean."""
+    x = (1e4 + 0.1 * jax.random.normal(jax.random.key(7), (64, 33, 7), jnp.float32)).astype(jnp.float32)
+    check_stability(x.at[0, 0].add(first_row_offset))
+
+
+# The same on the streaming statistics kernel (x too large for the one-kernel forward): each
+# thread folds batches of rows as Chan partials about the batch's first value, then the last
+# rows one by one. 2000003 rows leave a partial batch; outliers sit at the first row (the
+# group's shift) and mid-array (some batch's first value); C = 8 is the vector path, 7 scalar.
+@gpu_only
+@pytest.mark.parametrize("channels", [8, 7])
+def test_gpu_stability_streaming(channels):
+    x = 1e4 + 0.1 * jax.random.normal(jax.random.key(11), (2_000_003, channels), jnp.float32)
+    check_stability(x.at[0].add(5.0).at[1_000_001].add(-7.0))
 
 
 def test_values_exactly_zero_at_relu(key):
