@@ -180,26 +180,13 @@ inline ffi::Error check_backward_dx(const ffi::AnyBuffer& dy, const ffi::AnyBuff
 // jaxops_bn_stats: x -> mean, var, ws.
 template <class Binding>
 auto bind_stats(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>();
+  return buffer_rets<3>(buffer_args<1>(std::move(b)));
 }
 
 // jaxops_bn_apply: x, scale, bias, mean, var, residual -> y, mask, coef.
 template <class Binding>
 auto bind_apply(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
+  return buffer_rets<3>(buffer_args<6>(std::move(b)))
       .template Attr<double>("epsilon")
       .template Attr<int64_t>("relu")
       .template Attr<int64_t>("with_mask")
@@ -209,17 +196,7 @@ auto bind_apply(Binding b) {
 // jaxops_bn_forward: x, scale, bias, residual -> y, mask, mean, var, ws, coef.
 template <class Binding>
 auto bind_forward(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
+  return buffer_rets<6>(buffer_args<4>(std::move(b)))
       .template Attr<double>("epsilon")
       .template Attr<int64_t>("relu")
       .template Attr<int64_t>("with_mask")
@@ -229,15 +206,7 @@ auto bind_forward(Binding b) {
 // jaxops_bn_bwd_reduce: dy, x, mask, mean, var -> sum_dy, sum_dyxhat, ws.
 template <class Binding>
 auto bind_backward_reduce(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
+  return buffer_rets<3>(buffer_args<5>(std::move(b)))
       .template Attr<double>("epsilon")
       .template Attr<int64_t>("relu");
 }
@@ -245,20 +214,7 @@ auto bind_backward_reduce(Binding b) {
 // jaxops_bn_bwd_dx: dy, x, mask, scale, mean, var, sum_dy, sum_dyxhat, dmean, dvar -> dx, dres, coef.
 template <class Binding>
 auto bind_backward_dx(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
+  return buffer_rets<3>(buffer_args<10>(std::move(b)))
       .template Attr<double>("epsilon")
       .template Attr<int64_t>("relu")
       .template Attr<int64_t>("has_residual")

@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "common/dtype.h"
 #include "xla/ffi/api/ffi.h"
@@ -18,6 +19,19 @@ inline Dtype to_dtype(ffi::DataType t) {
     case ffi::DataType::F16: return Dtype::kF16;
     default: return Dtype::kInvalid;
   }
+}
+
+// `b` with N more ffi::AnyBuffer operands / results: the buffer lists of the bind_* signatures
+// in each family's args header (N >= 1; a Binding can only be extended as a temporary).
+template <int N, class Binding>
+auto buffer_args(Binding&& b) {
+  if constexpr (N == 1) return std::move(b).template Arg<ffi::AnyBuffer>();
+  else return buffer_args<N - 1>(std::move(b).template Arg<ffi::AnyBuffer>());
+}
+template <int N, class Binding>
+auto buffer_rets(Binding&& b) {
+  if constexpr (N == 1) return std::move(b).template Ret<ffi::AnyBuffer>();
+  else return buffer_rets<N - 1>(std::move(b).template Ret<ffi::AnyBuffer>());
 }
 
 inline ffi::Error invalid_argument(const char* op, const std::string& what) {

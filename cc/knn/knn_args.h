@@ -64,17 +64,10 @@ inline ffi::Error check_select(const ffi::AnyBuffer& tile, const ffi::AnyBuffer&
 // FFI signature of jaxops_knn_select, written once so the CPU and CUDA handlers cannot disagree:
 // operands, results and attributes in the order the Python side passes them. `b` is
 // ffi::Ffi::Bind(), with the stream context already bound on CUDA.
+// jaxops_knn_select: tile, qn, rn, prev_d, prev_i, base -> out_d, out_i.
 template <class Binding>
 auto bind_select(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()  // tile
-      .template Arg<ffi::AnyBuffer>()  // qn
-      .template Arg<ffi::AnyBuffer>()  // rn
-      .template Arg<ffi::AnyBuffer>()  // prev_d
-      .template Arg<ffi::AnyBuffer>()  // prev_i
-      .template Arg<ffi::AnyBuffer>()  // base
-      .template Ret<ffi::AnyBuffer>()  // out_d
-      .template Ret<ffi::AnyBuffer>()  // out_i
+  return buffer_rets<2>(buffer_args<6>(std::move(b)))
       .template Attr<int64_t>("n")
       .template Attr<int64_t>("mode");
 }

@@ -130,53 +130,27 @@ inline ffi::Error check_backward(bool rms, const ffi::AnyBuffer& x, const ffi::A
 // jaxops_layer_norm_fwd: x, scale, bias -> y, mean, rstd.
 template <class Binding>
 auto bind_layer_norm_fwd(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
+  return buffer_rets<3>(buffer_args<3>(std::move(b)))
       .template Attr<double>("epsilon");
 }
 
 // jaxops_rms_norm_fwd: x, scale -> y, rstd.
 template <class Binding>
 auto bind_rms_norm_fwd(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
+  return buffer_rets<2>(buffer_args<2>(std::move(b)))
       .template Attr<double>("epsilon");
 }
 
 // jaxops_layer_norm_bwd: x, scale, mean, rstd, dy -> dx, dscale, dbias, workspace.
 template <class Binding>
 auto bind_layer_norm_bwd(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>();
+  return buffer_rets<4>(buffer_args<5>(std::move(b)));
 }
 
 // jaxops_rms_norm_bwd: x, scale, rstd, dy -> dx, dscale, workspace.
 template <class Binding>
 auto bind_rms_norm_bwd(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>();
+  return buffer_rets<3>(buffer_args<4>(std::move(b)));
 }
 
 }  // namespace jaxops::layer_norm

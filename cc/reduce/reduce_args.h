@@ -78,10 +78,7 @@ inline ffi::Error check_reduce(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
 // ffi::Ffi::Bind(), with the stream context already bound on CUDA.
 template <class Binding>
 auto bind_reduce(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
+  return buffer_rets<2>(buffer_args<1>(std::move(b)))
       .template Attr<int64_t>("op")
       .template Attr<int64_t>("splits");
 }

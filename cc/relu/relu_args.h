@@ -65,20 +65,14 @@ inline ffi::Error check_backward(const ffi::AnyBuffer& dy, const ffi::AnyBuffer&
 // jaxops_relu_fwd: x -> y, mask.
 template <class Binding>
 auto bind_forward(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
+  return buffer_rets<2>(buffer_args<1>(std::move(b)))
       .template Attr<int64_t>("with_mask");
 }
 
 // jaxops_relu_bwd: dy, mask -> dx.
 template <class Binding>
 auto bind_backward(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>();
+  return buffer_rets<1>(buffer_args<2>(std::move(b)));
 }
 
 }  // namespace jaxops::relu

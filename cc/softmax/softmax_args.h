@@ -56,10 +56,7 @@ inline ffi::Error check_backward(const ffi::AnyBuffer& y, const ffi::AnyBuffer& 
 // jaxops_softmax_fwd: x, mask -> y.
 template <class Binding>
 auto bind_forward(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
+  return buffer_rets<1>(buffer_args<2>(std::move(b)))
       .template Attr<int64_t>("log")
       .template Attr<int64_t>("masked");
 }
@@ -67,11 +64,7 @@ auto bind_forward(Binding b) {
 // jaxops_softmax_bwd: y, dy, mask -> dx.
 template <class Binding>
 auto bind_backward(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
+  return buffer_rets<1>(buffer_args<3>(std::move(b)))
       .template Attr<int64_t>("log")
       .template Attr<int64_t>("masked");
 }
