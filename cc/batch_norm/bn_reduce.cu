@@ -45,8 +45,9 @@ constexpr int reduce_pack() {
 // (256,56,56,64): 4, 6 or 8 rows, 3 or 4 blocks, and loads of the next batch issued before the
 // current one is folded all measured 79.2-80.2 us (the kernel reads at ~2.6 TB/s in the
 // benchmark's chain, 2.8 TB/s alone under ncu: 83 % of DRAM peak, scoreboard-bound at 24 warps).
-// 16-bit types: 6 x 8 B under 3 blocks (77 registers); 8 rows spilled at 80 registers, 8
-// channels a thread (16-byte loads, 2 blocks) measured 52 us against 45.5. float64: 4 x 16 B.
+// 16-bit types: 6 x 8 B under 3 blocks (77 registers, 46 us); 8 rows spilled at 80 registers;
+// 4 blocks (64 registers, 16-20 spilled bytes) 48.7 us; 8 channels a thread (16-byte loads,
+// 2 blocks) 52 us. float64: 4 x 16 B.
 template <class T>
 constexpr int stats_unroll() {
   return sizeof(T) == 2 ? 6 : sizeof(T) == 4 ? 8 : 4;
