@@ -8,7 +8,9 @@ dispatch with the JAX profiler (CUPTI), and prints, per case and side (jaxops / 
   busy      summed kernel time a call / wall time a call
   gaps      median and max idle time between consecutive kernels on the GPU
 Gaps well above zero mean the loss is between the kernels (launches that cannot keep up);
-otherwise the kernels themselves are what is slow.
+otherwise the kernels themselves are what is slow. A kernel launched with programmatic dependent
+launch (sm_90, the default) starts before its predecessor ends and waits inside, so its duration
+here includes that wait (negative gaps); run with JAXOPS_PDL=0 to read each kernel's own time.
 
   python tools/trace_kernels.py --ops relu,softmax --dtypes float32 --shapes 67108864
 """
