@@ -13,6 +13,8 @@ launch (sm_90, the default) starts before its predecessor ends and waits inside,
 here includes that wait (negative gaps); run with JAXOPS_PDL=0 to read each kernel's own time.
 
   python tools/trace_kernels.py --ops relu,softmax --dtypes float32 --shapes 67108864
+  python tools/trace_kernels.py --ops knn --shapes 4096x262144x128x256 --inner 1 --copies 1 \
+      --sides jaxops --sequence    # one call's kernels in launch order (knn: each tile's select)
 """
 from __future__ import annotations
 
@@ -53,6 +55,13 @@ def analyse(label, events, calls, wall_s, nbytes):
             "kernels": {n: [len(d) / calls, statistics.median(d)] for n, d in kernels.items()}}
 
 
+def print_sequence(events, calls):
+    """One call's kernels in start order with their durations (the first 1/calls of the events)."""
+    events = sorted(events)
+    for s, e, name in events[: max(1, len(events) // calls)]:
+        print(f"        {(e - s) / 1e3:9.1f} us  {name[:90]}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ops", required=True)
@@ -61,6 +70,9 @@ def main(argv=None) -> int:
     p.add_argument("--inner", type=int, default=8)
     p.add_argument("--copies", type=int, default=2)
     p.add_argument("--json")
+    p.add_argument("--sides", default="jaxops,xla,copy", help="which of jaxops, xla, copy to trace")
+    p.add_argument("--sequence", action="store_true",
+                   help="also list one call's kernels in launch order (e.g. knn's per-tile selects)")
     args = p.parse_args(argv)
     options = Options(ops=set(args.ops.split(",")), dtypes=args.dtypes.split(","),
                       shapes=_parse_shapes(args.shapes), gpu=jax.default_backend() == "gpu")
@@ -75,7 +87,7 @@ def main(argv=None) -> int:
         if case.op in ("relu", "softmax", "layer_norm"):
             sides.append(("copy", lambda *a: jnp.negative(a[0])))
         for label, fn in sides:
-            if fn is None:
+            if fn is None or label not in args.sides.split(","):
                 continue
             wall = time_fn(fn, sets, 5, args.inner)  # device time unless JAXOPS_BENCH_CLOCK=wall
             run = _batched(fn, args.inner)
@@ -83,6 +95,8 @@ def main(argv=None) -> int:
             events = [ev for plane in planes.values() for ev in plane]
             nbytes = case.bytes if label != "copy" else 2 * sets[0][0].nbytes
             r = analyse(label, events, calls, wall, nbytes)
+            if args.sequence:
+                print_sequence(events, calls)
             results.append({"op": case.op, "shape": list(case.shape), "dtype": case.dtype, **r})
         del sets
     if args.json:
