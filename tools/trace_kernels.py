@@ -74,6 +74,9 @@ def main(argv=None) -> int:
     p.add_argument("--sequence", action="store_true",
                    help="also list one call's kernels in launch order (e.g. knn's per-tile selects)")
     args = p.parse_args(argv)
+    traced = set(args.sides.split(","))
+    if traced - {"jaxops", "xla", "copy"}:
+        p.error(f"--sides takes jaxops, xla and copy, not {args.sides!r}")
     options = Options(ops=set(args.ops.split(",")), dtypes=args.dtypes.split(","),
                       shapes=_parse_shapes(args.shapes), gpu=jax.default_backend() == "gpu")
     results = []
@@ -87,7 +90,7 @@ def main(argv=None) -> int:
         if case.op in ("relu", "softmax", "layer_norm"):
             sides.append(("copy", lambda *a: jnp.negative(a[0])))
         for label, fn in sides:
-            if fn is None or label not in args.sides.split(","):
+            if fn is None or label not in traced:
                 continue
             wall = time_fn(fn, sets, 5, args.inner)  # device time unless JAXOPS_BENCH_CLOCK=wall
             run = _batched(fn, args.inner)
