@@ -202,6 +202,32 @@ def test_cluster_paths_bfloat16(cols, key):
 
 
 @gpu_only
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("cols", [131072, 262144, 262152])
+def test_special_values_across_cluster_slices(dtype, cols, key):
+    """Unmasked rows on clusters of 4-16 blocks reduce one (max, sum) pair a row (session 12):
+    each block's partial statistics merge across the cluster, so -inf, +inf and NaN must combine
+    as in jax.nn whichever block's slice holds them: finite values only in the last slice (every
+    other block sums nothing) or only in the first, all -inf, +inf or NaN in one slice, -inf on
+    every other element, large equal values. 100 rows: each cluster loops over several rows,
+    alternating its reduction slots; the special rows repeat in the second half of the grid."""
+    rows = 100
+    x = np.array(normal(key, (rows, cols), jnp.float32, scale=3.0))
+    for r in (0, 57):
+        x[r, : cols - 1000] = -np.inf
+        x[r + 1, :] = -np.inf
+        x[r + 2, 7] = np.inf
+        x[r + 3, cols - 5] = np.nan
+        x[r + 4, ::2] = -np.inf
+        x[r + 5, :] = 60.0
+        x[r + 6, 1000:] = -np.inf
+    x = jnp.asarray(x, dtype)
+    for name in OPS:
+        assert_close(OPS[name][0](x), reference(name, x), dtype)
+    assert ON_GPU
+
+
+@gpu_only
 @pytest.mark.parametrize("rows,cols", [(2000, 8192), (600, 32768), (64, 262144)])
 @pytest.mark.parametrize("masked", [False, True])
 def test_cached_paths_reuse_cache_across_rows(rows, cols, masked, key):

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/dtype.h"
 
@@ -94,12 +95,26 @@ struct MaxOp {
   template <class A> __device__ __forceinline__ static A identity() { return -A(INFINITY); }
 };
 
+// __shfl_xor_sync for any trivially copyable value (a float, or a struct of partial statistics),
+// moved as 32-bit words.
+template <class S>
+__device__ __forceinline__ S shfl_xor(const S& s, int offset, int width = 32) {
+  if constexpr (std::is_arithmetic_v<S>) return __shfl_xor_sync(0xffffffffu, s, offset, width);
+  constexpr int kWords = (sizeof(S) + 3) / 4;
+  int w[kWords] = {};
+  memcpy(w, &s, sizeof(S));
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) w[i] = __shfl_xor_sync(0xffffffffu, w[i], offset, width);
+  S out;
+  memcpy(&out, w, sizeof(S));
+  return out;
+}
+
 // Reduction over groups of `width` consecutive lanes (width a power of two up to 32).
 template <class Op, int width = 32, class A>
 __device__ __forceinline__ A warp_reduce(A v, Op op = Op{}) {
 #pragma unroll
-  for (int offset = width / 2; offset > 0; offset /= 2)
-    v = op(v, __shfl_xor_sync(0xffffffffu, v, offset, width));
+  for (int offset = width / 2; offset > 0; offset /= 2) v = op(v, shfl_xor(v, offset, width));
   return v;
 }
 

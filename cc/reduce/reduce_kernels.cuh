@@ -36,23 +36,10 @@ constexpr int kMinRowLanes = 2;      // see row_warp_kernel
 constexpr int kBlockThreads = 256;   // column / merge kernels
 constexpr int kMaxGrid = INT_MAX;
 
-// Shuffles any trivially copyable State as 32-bit words.
-template <class S>
-__device__ __forceinline__ S shfl_xor_state(const S& s, int offset) {
-  constexpr int kWords = (sizeof(S) + 3) / 4;
-  int w[kWords] = {};
-  memcpy(w, &s, sizeof(S));
-#pragma unroll
-  for (int i = 0; i < kWords; ++i) w[i] = __shfl_xor_sync(0xffffffffu, w[i], offset);
-  S out;
-  memcpy(&out, w, sizeof(S));
-  return out;
-}
-
 template <class Op>
 __device__ __forceinline__ typename Op::State warp_merge(typename Op::State s) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) s = Op::merge(s, shfl_xor_state(s, offset));
+  for (int offset = 16; offset > 0; offset /= 2) s = Op::merge(s, cuda::shfl_xor(s, offset));
   return s;
 }
 
@@ -90,7 +77,7 @@ __device__ __forceinline__ typename Op::State fold_rows(const typename Op::State
   auto a = Op::identity();
   if (out < outputs) {
     for (int k = g; k < rows; k += G) a = Op::merge(a, smem[k * outputs + out]);
-    for (int offset = G / 2; offset > 0; offset /= 2) a = Op::merge(a, shfl_xor_state(a, offset));
+    for (int offset = G / 2; offset > 0; offset /= 2) a = Op::merge(a, cuda::shfl_xor(a, offset));
   }
   return a;
 }
@@ -292,7 +279,7 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
     const int64_t row = row0 + lane / group;
     auto s = Op::identity();
     if (row < rows) add_span<Op, T, P, V, int>(s, x + row * n, 0, static_cast<int>(n), lane % group, group);
-    for (int offset = group / 2; offset > 0; offset /= 2) s = Op::merge(s, shfl_xor_state(s, offset));
+    for (int offset = group / 2; offset > 0; offset /= 2) s = Op::merge(s, cuda::shfl_xor(s, offset));
     if (lane % group == 0 && row < rows) emit<Op, T>(y, nullptr, row, s, n);
   }
 }

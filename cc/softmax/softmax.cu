@@ -326,18 +326,30 @@ __device__ __forceinline__ acc_t<T> cache_slice(const T* __restrict__ src, const
 // kMaskable = false compiles the unmasked kernel alone (mask_arg is ignored): without the
 // register-staged masked load path it needs far fewer registers, so more blocks (rows) fit an SM
 // where shared memory allows (16-byte packs only: every unmasked row then takes cp.async).
-template <class T, int P, bool kMaskable>
+// kPairStats: each thread sums exp over its own packs at its own max, and one (max, sum) reduction
+// (MaxSumOp) gives the row's statistics, so the blocks of a cluster meet once a row; otherwise the
+// row max is reduced first, then the sum of exp at that max (two block and cluster reductions),
+// and softmax's output pass scales the exp cached by the sum pass instead of recomputing it.
+// Which one wins depends on the cluster size (kPairStatsMinCluster).
+//
+// The cache is aligned to 128 bytes, and every extern __shared__ declaration in this file must say
+// so (nvcc keeps one alignment for the shared symbol): the dynamic region starts after the static
+// shared memory, and when that left it 16 bytes off a 32-byte boundary (304 bytes of statics,
+// session 12) every cached forward ran ~10 % slower (H100, f32 16384x4096 179.6 -> 198.6 us),
+// the cp.async fills landing across shared-memory sectors.
+template <class T, int P, bool kMaskable, bool kPairStats>
 __global__ void __launch_bounds__(1024)
 forward_cached(const T* __restrict__ x, const bool* __restrict__ mask_arg, T* __restrict__ y, int64_t rows,
                int64_t cols, int64_t slice, bool log) {
   cuda::enter_kernel();
   static_assert(kMaskable || kAsyncPack<T, P>, "the unmaskable kernel copies 16-byte packs");
   using A = acc_t<T>;
+  using Stat = std::conditional_t<kPairStats, MaxSum<A>, A>;
   const bool* const mask = kMaskable ? mask_arg : nullptr;
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem[];
   T* cache = reinterpret_cast<T*>(smem);
-  __shared__ A scratch[33];
-  __shared__ A slots[2], bcast[2];
+  __shared__ Stat scratch[33];
+  __shared__ Stat slots[2], bcast[2];
   const unsigned nblocks = cluster_blocks(), rank = cluster_rank();
   const int64_t begin = int64_t(rank) * slice;
   // A slice fits one block's shared memory, so the cache loops index packs in 32 bits, unsigned:
@@ -351,6 +363,7 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask_arg, T* __
   const bool async = kAsyncPack<T, P> && mask == nullptr;
   const int64_t stride = gridDim.x / nblocks;
   bool requested = false;  // this row's packs already requested during the previous row
+  [[maybe_unused]] int parity = 0;  // kPairStats: one cluster reduction a row, alternating slots
   for (int64_t row = blockIdx.x / nblocks; row < rows; row += stride) {
     const int64_t off = row * cols + begin;
     A m;
@@ -364,24 +377,39 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask_arg, T* __
     } else {
       m = cache_slice<T, P>(x + off, mask ? mask + off : nullptr, cache, npacks);
     }
-    m = block_reduce<MaxNanOp>(m, scratch);
-    m = cluster_allreduce<MaxNanOp>(m, &slots[0], &bcast[0]);
-    const ExpShift<T> ex(m);
     A s = 0;
-    for (unsigned i = threadIdx.x; i < npacks; i += blockDim.x) {
-      A v[P];
-      unpack<T, P>(load_pack<T, P>(cache + i * P), v);
+    if constexpr (kPairStats) {
+      const ExpShift<T> thread_ex(sum_shift(m));
+      for (unsigned i = threadIdx.x; i < npacks; i += blockDim.x) {
+        A v[P];
+        unpack<T, P>(load_pack<T, P>(cache + i * P), v);
 #pragma unroll
-      for (int p = 0; p < P; ++p) {
-        v[p] = ex(v[p]);
-        s += v[p];
+        for (int p = 0; p < P; ++p) s += thread_ex(v[p]);
       }
-      // softmax's output pass then scales the cached exp instead of recomputing it
-      if (!log) store_pack<T, P>(cache + i * P, repack<T, P>(v));
+      MaxSum<A> ms = block_reduce<MaxSumOp>(MaxSum<A>{m, s}, scratch);
+      ms = cluster_allreduce<MaxSumOp>(ms, &slots[parity], &bcast[parity]);
+      parity ^= 1;
+      m = ms.max;
+      s = ms.sum;
+    } else {
+      m = block_reduce<MaxNanOp>(m, scratch);
+      m = cluster_allreduce<MaxNanOp>(m, &slots[0], &bcast[0]);
+      const ExpShift<T> ex(m);
+      for (unsigned i = threadIdx.x; i < npacks; i += blockDim.x) {
+        A v[P];
+        unpack<T, P>(load_pack<T, P>(cache + i * P), v);
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          v[p] = ex(v[p]);
+          s += v[p];
+        }
+        if (!log) store_pack<T, P>(cache + i * P, repack<T, P>(v));
+      }
+      s = block_reduce<SumOp>(s, scratch);
+      s = cluster_allreduce<SumOp>(s, &slots[1], &bcast[1]);
     }
-    s = block_reduce<SumOp>(s, scratch);
-    s = cluster_allreduce<SumOp>(s, &slots[1], &bcast[1]);
     const RowStats<A> st(m, s, log);
+    const ExpShift<T> ex(m);
     const bool prefetch = async && row + stride < rows;
     const T* next = prefetch ? x + (row + stride) * cols + begin : x;
     T* const out = y + off;  // pack addresses: one IMAD.WIDE.U32 off this base
@@ -392,7 +420,13 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask_arg, T* __
         A v[P];
         unpack<T, P>(load_pack<T, P>(cache + i * P), v);
 #pragma unroll
-        for (int p = 0; p < P; ++p) v[p] = kLog ? st.out(v[p], true) : v[p] * st.inv_sum;
+        for (int p = 0; p < P; ++p) {
+          if constexpr (kLog) {
+            v[p] = st.out(v[p], true);
+          } else {
+            v[p] = (kPairStats ? ex(v[p]) : v[p]) * st.inv_sum;  // else the cache holds the exp
+          }
+        }
         if (mask) {
           const Pack<bool, P> mk = load_pack<bool, P>(mask + off + i * P);
 #pragma unroll
@@ -425,7 +459,7 @@ backward_cached(const T* __restrict__ y, const T* __restrict__ dy, const bool* _
                 T* __restrict__ dx, int64_t rows, int64_t cols, int64_t slice, bool log) {
   cuda::enter_kernel();
   using A = acc_t<T>;
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem[];
   T* cache_y = reinterpret_cast<T*>(smem);
   T* cache_g = cache_y + slice;
   __shared__ A scratch[33];
@@ -511,7 +545,7 @@ backward_cached_lean(const T* __restrict__ y, const T* __restrict__ dy, T* __res
   cuda::enter_kernel();
   static_assert(kAsyncPack<T, P>, "the lean backward copies 16-byte packs");
   using A = acc_t<T>;
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem[];
   T* cache_y = reinterpret_cast<T*>(smem);
   T* cache_g = cache_y + slice;
   __shared__ A scratch[33];
@@ -716,6 +750,15 @@ constexpr int64_t kMaxPacksPerThread = 4 * kUnroll;
 // (unmeasured with 64).
 constexpr size_t kForwardLongSliceBytes = 64 * 1024;
 
+// Smallest cluster whose unmasked forward takes one (max, sum) reduction a row (forward_cached's
+// kPairStats). H100, session 12, same build, µs two reductions -> one: 4-16 block clusters gain
+// (f32 256x262144 (16 blocks) 202.3-204.3 -> 191.0-192.2, 512x131072 (8) 196.9-197.1 -> 192.5-193.9;
+// bf16 262144 (8) 103.8-104.1 -> 99.9-100.1, 131072 (4) 103.1-103.2 -> 101.5-101.6), while one- or
+// two-block plans lose (f32 2048x32768 (2) 194.0-194.7 -> 197.1-197.3, bf16 32768 (1) 98.9-99.8 ->
+// 102.2-102.4): the fewer blocks meet, the less a cluster barrier costs against the pair
+// reduction's longer shuffle chain and softmax's second exp; <= 8192 columns are equal.
+constexpr int kPairStatsMinCluster = 4;
+
 // Picks the smallest cluster whose blocks each cache at most kCachedBytesPerBlock of the row, or
 // `long_row_slice` when the row is longer than that (more if the cluster limit is reached); false
 // when even the largest cluster cannot cache it.
@@ -839,14 +882,19 @@ cudaError_t forward_packed(const T* x, const bool* mask, T* y, int64_t rows, int
   CachedPlan plan;
   if constexpr (kAsyncPack<T, P> && sizeof(T) <= 4) {  // float64's lean kernel spills (its log)
     if (mask == nullptr) {
-      if (remembered_plan(forward_cached<T, P, false>, cols, P, sizeof(T), dev, &plan, kForwardLongSliceBytes)) {
-        return launch_clustered(forward_cached<T, P, false>, unmasked_cached_grid(rows, plan), plan.threads,
+      if (remembered_plan(forward_cached<T, P, false, true>, cols, P, sizeof(T), dev, &plan, kForwardLongSliceBytes) &&
+          plan.cluster >= kPairStatsMinCluster) {
+        return launch_clustered(forward_cached<T, P, false, true>, unmasked_cached_grid(rows, plan), plan.threads,
+                                plan.smem, plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
+      }
+      if (remembered_plan(forward_cached<T, P, false, false>, cols, P, sizeof(T), dev, &plan, kForwardLongSliceBytes)) {
+        return launch_clustered(forward_cached<T, P, false, false>, unmasked_cached_grid(rows, plan), plan.threads,
                                 plan.smem, plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
       }
     }
   }
-  if (remembered_plan(forward_cached<T, P, true>, cols, P, sizeof(T), dev, &plan)) {
-    return launch_clustered(forward_cached<T, P, true>, cached_grid(rows, plan), plan.threads, plan.smem,
+  if (remembered_plan(forward_cached<T, P, true, false>, cols, P, sizeof(T), dev, &plan)) {
+    return launch_clustered(forward_cached<T, P, true, false>, cached_grid(rows, plan), plan.threads, plan.smem,
                             plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
   }
   return cuda::launch_kernel(forward_uncached<T, P>, uncached_grid(rows, dev), 1024, 0, stream, x, mask, y, rows, cols,

@@ -59,6 +59,39 @@ struct ExpShift {
   }
 };
 
+// A part of a row's softmax statistics, as the online softmax keeps them: its max and the sum of
+// exp(v - max) over its values. Parts combine into the whole row's in one step (MaxSumOp), so a
+// row's threads, blocks and cluster meet once instead of twice (max first, then the sum).
+template <class A>
+struct MaxSum {
+  A max, sum;
+};
+
+// The shift a part's sum is taken at: its max, or 0 where the max is -inf (the part holds only
+// -inf), so such a part sums to 0 instead of NaN (-inf - -inf). +inf and NaN still make the
+// sum NaN, as in jax.nn.
+template <class A>
+__device__ __forceinline__ A sum_shift(A max) {
+  return max == -A(INFINITY) ? A(0) : max;
+}
+
+__device__ __forceinline__ float exp_of(float v) { return exp2_ftz(v * kLog2e); }
+__device__ __forceinline__ double exp_of(double v) { return exp(v); }
+
+struct MaxSumOp {
+  template <class S>
+  __device__ __forceinline__ S operator()(const S& a, const S& b) const {
+    const auto m = max_nan(a.max, b.max);
+    const auto shift = sum_shift(m);
+    return {m, a.sum * exp_of(a.max - shift) + b.sum * exp_of(b.max - shift)};
+  }
+  template <class S>
+  __device__ __forceinline__ static S identity() {
+    using A = decltype(S::max);
+    return {-A(INFINITY), A(0)};
+  }
+};
+
 // Pack -> P accumulator values.
 template <class T, int P>
 __device__ __forceinline__ void unpack(const Pack<T, P>& pk, acc_t<T> (&out)[P]) {
