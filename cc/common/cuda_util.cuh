@@ -99,15 +99,18 @@ struct MaxOp {
 // moved as 32-bit words.
 template <class S>
 __device__ __forceinline__ S shfl_xor(const S& s, int offset, int width = 32) {
-  if constexpr (std::is_arithmetic_v<S>) return __shfl_xor_sync(0xffffffffu, s, offset, width);
-  constexpr int kWords = (sizeof(S) + 3) / 4;
-  int w[kWords] = {};
-  memcpy(w, &s, sizeof(S));
+  if constexpr (std::is_arithmetic_v<S>) {
+    return __shfl_xor_sync(0xffffffffu, s, offset, width);
+  } else {
+    constexpr int kWords = (sizeof(S) + 3) / 4;
+    int w[kWords] = {};
+    memcpy(w, &s, sizeof(S));
 #pragma unroll
-  for (int i = 0; i < kWords; ++i) w[i] = __shfl_xor_sync(0xffffffffu, w[i], offset, width);
-  S out;
-  memcpy(&out, w, sizeof(S));
-  return out;
+    for (int i = 0; i < kWords; ++i) w[i] = __shfl_xor_sync(0xffffffffu, w[i], offset, width);
+    S out;
+    memcpy(&out, w, sizeof(S));
+    return out;
+  }
 }
 
 // Reduction over groups of `width` consecutive lanes (width a power of two up to 32).
