@@ -882,12 +882,15 @@ cudaError_t forward_packed(const T* x, const bool* mask, T* y, int64_t rows, int
   CachedPlan plan;
   if constexpr (kAsyncPack<T, P> && sizeof(T) <= 4) {  // float64's lean kernel spills (its log)
     if (mask == nullptr) {
-      if (remembered_plan(forward_cached<T, P, false, true>, cols, P, sizeof(T), dev, &plan, kForwardLongSliceBytes) &&
-          plan.cluster >= kPairStatsMinCluster) {
-        return launch_clustered(forward_cached<T, P, false, true>, unmasked_cached_grid(rows, plan), plan.threads,
-                                plan.smem, plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
-      }
       if (remembered_plan(forward_cached<T, P, false, false>, cols, P, sizeof(T), dev, &plan, kForwardLongSliceBytes)) {
+        // Only rows long enough for a large cluster look up the pair kernel's own plan.
+        CachedPlan pair;
+        if (plan.cluster >= kPairStatsMinCluster &&
+            remembered_plan(forward_cached<T, P, false, true>, cols, P, sizeof(T), dev, &pair, kForwardLongSliceBytes) &&
+            pair.cluster >= kPairStatsMinCluster) {
+          return launch_clustered(forward_cached<T, P, false, true>, unmasked_cached_grid(rows, pair), pair.threads,
+                                  pair.smem, pair.cluster, stream, x, mask, y, rows, cols, pair.slice, log);
+        }
         return launch_clustered(forward_cached<T, P, false, false>, unmasked_cached_grid(rows, plan), plan.threads,
                                 plan.smem, plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
       }

@@ -39,6 +39,10 @@ __device__ __forceinline__ float exp2_ftz(float v) {
   return r;
 }
 
+// e^v: ex2 of the scaled argument (float), the library exp (double).
+__device__ __forceinline__ float exp_of(float v) { return exp2_ftz(v * kLog2e); }
+__device__ __forceinline__ double exp_of(double v) { return exp(v); }
+
 // exp(v - max) for one row. 16-bit inputs carry < 9 significant bits, so fma(v, log2e, -max*log2e)
 // (one rounding of max*log2e more) is far below their precision; float32 subtracts first.
 template <class T>
@@ -49,12 +53,10 @@ struct ExpShift {
     if constexpr (sizeof(T) == 2) shifted_max = -m * kLog2e;
   }
   __device__ __forceinline__ A operator()(A v) const {
-    if constexpr (std::is_same_v<A, double>) {
-      return exp(v - max);
-    } else if constexpr (sizeof(T) == 2) {
+    if constexpr (sizeof(T) == 2) {
       return exp2_ftz(fmaf(v, kLog2e, shifted_max));
     } else {
-      return exp2_ftz((v - max) * kLog2e);
+      return exp_of(v - max);
     }
   }
 };
@@ -74,9 +76,6 @@ template <class A>
 __device__ __forceinline__ A sum_shift(A max) {
   return max == -A(INFINITY) ? A(0) : max;
 }
-
-__device__ __forceinline__ float exp_of(float v) { return exp2_ftz(v * kLog2e); }
-__device__ __forceinline__ double exp_of(double v) { return exp(v); }
 
 struct MaxSumOp {
   template <class S>
