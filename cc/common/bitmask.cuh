@@ -60,7 +60,8 @@ struct WarpChunk {
 template <int P>
 __device__ __forceinline__ WarpChunk warp_chunk(int64_t chunk, int64_t chunks_per_row) {
   WarpChunk c;
-  c.row = chunk / chunks_per_row;
+  // Unbatched calls (one group) have every chunk in row 0: a compare, not a 64-bit division.
+  c.row = chunk < chunks_per_row ? 0 : chunk / chunks_per_row;
   c.ch = chunk - c.row * chunks_per_row;
   c.c0 = c.ch * 32 * P + static_cast<int64_t>(threadIdx.x % 32) * P;
   return c;
