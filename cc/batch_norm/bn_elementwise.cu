@@ -301,8 +301,16 @@ apply_s4_kernel(const T* __restrict__ x, const T* __restrict__ res, const Coef<a
   }
 }
 
+// Elements a lane of dx_kernel handles (one run). 16-bit types take 4 (8-byte accesses), not a
+// 16-byte pack of 8: the lane's coefficient records, 4 floats a channel, then take 16 registers
+// instead of 32, so the bf16 kernel needs 43 registers instead of 70 and 5 blocks of 256 fit an
+// SM instead of 3. Its loads were waiting on DRAM at 24 warps an SM (ncu: 61 % of DRAM, scoreboard
+// stalls); session 13, H100, bf16 (128,28,28,256) 71.8 -> 59.6 us, (256,56,56,64) 124.2 -> 115.3.
+template <class T>
+constexpr int kDxPack = sizeof(T) == 2 ? 4 : 16 / static_cast<int>(sizeof(T));
+
 template <class T, int P, bool kFixed>
-__global__ void __launch_bounds__(kThreads)  // (a 4-blocks-per-SM bound spills bf16 kFixed)
+__global__ void __launch_bounds__(kThreads)
 dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* __restrict__ mask,
           const Coef<acc_t<T>>* __restrict__ coef, T* __restrict__ dx, T* __restrict__ dres, int64_t L,
           int64_t C, int64_t chunks_per_row, int64_t chunks, int64_t wpg, bool vec, int64_t vgrid, int64_t seg) {
@@ -493,13 +501,13 @@ cudaError_t backward_dx_cuda(cudaStream_t stream, const View& v, const void* dy,
                              void* dx, void* dres, void* coef, double eps, bool relu, bool train, int64_t count) {
   JAXOPS_DISPATCH_FLOAT(v.dtype, T, {
     using A = acc_t<T>;
-    constexpr int P = 16 / sizeof(T);
     const int64_t n = v.groups * v.channels, L = v.elements_per_group();
     if (cudaError_t err = cuda::launch_kernel(backward_coef_kernel<A>, coef_blocks(n), 256, 0, stream,
         static_cast<const A*>(scale), static_cast<const A*>(mean), static_cast<const A*>(var),
         static_cast<const A*>(sum_dy), static_cast<const A*>(sum_dyxhat), static_cast<const A*>(dmean),
         static_cast<const A*>(dvar), static_cast<Coef<A>*>(coef), n, A(eps), static_cast<A>(count), train))
       return err;
+    constexpr int P = kDxPack<T>;
     const int64_t cpr = (L + 32 * P - 1) / (32 * P);
     const bool vec = L % P == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) && (!dres || aligned16(dres));
     int blocks = 0;
