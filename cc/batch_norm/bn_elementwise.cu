@@ -301,14 +301,6 @@ apply_s4_kernel(const T* __restrict__ x, const T* __restrict__ res, const Coef<a
   }
 }
 
-// Elements a lane of dx_kernel handles (one run). 16-bit types take 4 (8-byte accesses), not a
-// 16-byte pack of 8: the lane's coefficient records, 4 floats a channel, then take 16 registers
-// instead of 32, so the bf16 kernel needs 43 registers instead of 70 and 5 blocks of 256 fit an
-// SM instead of 3. Its loads were waiting on DRAM at 24 warps an SM (ncu: 61 % of DRAM, scoreboard
-// stalls); session 13, H100, bf16 (128,28,28,256) 71.8 -> 59.6 us, (256,56,56,64) 124.2 -> 115.3.
-template <class T>
-constexpr int kDxPack = sizeof(T) == 2 ? 4 : 16 / static_cast<int>(sizeof(T));
-
 template <class T, int P, bool kFixed>
 __global__ void __launch_bounds__(kThreads)
 dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* __restrict__ mask,
@@ -507,7 +499,10 @@ cudaError_t backward_dx_cuda(cudaStream_t stream, const View& v, const void* dy,
         static_cast<const A*>(sum_dy), static_cast<const A*>(sum_dyxhat), static_cast<const A*>(dmean),
         static_cast<const A*>(dvar), static_cast<Coef<A>*>(coef), n, A(eps), static_cast<A>(count), train))
       return err;
-    constexpr int P = kDxPack<T>;
+    // 16-bit types: 4 channels a lane, not 8 (lane_channels): 43 registers instead of 70, 5 blocks of
+    // 256 an SM instead of 3 (session 13, H100, bf16 dx (128,28,28,256) 71.8 -> 59.6 us,
+    // (256,56,56,64) 124.2 -> 115.3).
+    constexpr int P = lane_channels<T>();
     const int64_t cpr = (L + 32 * P - 1) / (32 * P);
     const bool vec = L % P == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) && (!dres || aligned16(dres));
     int blocks = 0;

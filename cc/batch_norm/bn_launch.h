@@ -9,6 +9,17 @@
 
 namespace jaxops::batch_norm {
 
+// Channels one thread handles in the kernels that keep per-channel values in registers (the
+// statistics and gradient partials of bn_reduce.cu, dx's coefficient records in
+// bn_elementwise.cu): a 16-byte pack, except 4 channels (8 bytes) for 16-bit types. With 8
+// 16-bit channels that per-channel state filled the register file (stats_partial 98 and
+// grad_partial 123 registers in session 2, dx 70 in session 13: 2-3 blocks an SM, the loads
+// waiting on DRAM); 4 halve it while a warp still requests 256 bytes a row.
+template <class T>
+constexpr int lane_channels() {
+  return sizeof(T) == 2 ? 4 : 16 / static_cast<int>(sizeof(T));
+}
+
 // mean / biased var per channel: column partials (sum, Welford mean, M2 of x minus a per-channel
 // pivot) per row block into `ws` ((G, cap, 3, C)), then a fixed-order Chan merge. Deterministic.
 cudaError_t stats_cuda(cudaStream_t stream, const View& v, const void* x, void* mean, void* var, void* ws,

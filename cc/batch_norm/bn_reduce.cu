@@ -30,16 +30,6 @@ using cuda::to_acc;
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;  // backward: rows loaded before they are folded in (2 x 4 x 16 bytes in flight)
 
-// Channels per thread in pass 1: a 16-byte pack, except 8 bytes (4 channels) for 16-bit types.
-// Eight bf16 channels per thread keep 8 x (sum, mean, M2, pivot) plus the loaded packs live: 98
-// registers in stats_partial and 123 in grad_partial (spills on sm_80), 2 blocks per SM and 37%
-// of DRAM in the session-2 profile. With 4 channels the state halves, occupancy doubles; loads
-// are still full-width (256 bytes per warp).
-template <class T>
-constexpr int reduce_pack() {
-  return sizeof(T) == 2 ? 4 : 16 / static_cast<int>(sizeof(T));
-}
-
 // Forward pass 1: rows (one Chan batch) loaded before they are folded in, and the blocks an SM
 // must hold (launch bounds). float32: 8 x 16 B under 3 blocks (80 registers); session 10, H100,
 // (256,56,56,64): 4, 6 or 8 rows, 3 or 4 blocks, and loads of the next batch issued before the
@@ -470,7 +460,7 @@ cudaError_t stats_cuda(cudaStream_t stream, const View& v, const void* x, void* 
   if (cudaError_t err = cuda::device_info(&info)) return err;
   JAXOPS_DISPATCH_FLOAT(v.dtype, T, {
     using A = acc_t<T>;
-    constexpr int kP = reduce_pack<T>();
+    constexpr int kP = lane_channels<T>();
     auto go = [&](auto kernel, int64_t blocks, const Tile& t) {
       return cuda::launch_serial(kernel, blocks, kThreads, 0, stream, static_cast<const T*>(x), static_cast<A*>(ws),
           v.rows, v.channels, t, cap);
@@ -495,7 +485,7 @@ cudaError_t backward_reduce_cuda(cudaStream_t stream, const View& v, const void*
   if (cudaError_t err = cuda::device_info(&info)) return err;
   JAXOPS_DISPATCH_FLOAT(v.dtype, T, {
     using A = acc_t<T>;
-    constexpr int kP = reduce_pack<T>();
+    constexpr int kP = lane_channels<T>();
     const bool aligned = pack_aligned<T, kP>(x) && pack_aligned<T, kP>(dy);
     auto go = [&](auto kernel, int64_t blocks, const Tile& t) {
       return cuda::launch_kernel(kernel, blocks, kThreads, 0, stream, static_cast<const T*>(dy),
