@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from jaxops.bench.case import Case, Options
-from jaxops.bench.timing import clock_name, copy_bandwidth, time_fn
+from jaxops.bench.timing import allocator_warning, clock_name, copy_bandwidth, time_fn
 
 FAMILIES = ("softmax", "layer_norm", "normalization", "reductions", "knn")
 
@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     if not cases:
         print("no benchmark case matches the options", file=sys.stderr)
         return 1
+    warning = allocator_warning() if gpu else None
+    if warning:
+        print(warning, file=sys.stderr)
     repeats = args.repeats or (20 if gpu else 3)
     copies = args.copies or (2 if gpu else 1)
     inner = args.inner or (8 if gpu else 2)
@@ -150,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:  # rewritten after every case for the same reason
             with open(args.json, "w") as f:
                 json.dump({"device": device, "clock": clock_name(), "copy_bandwidth": copy_bw, "date": time.strftime("%Y-%m-%d"),
-                           "jax": jax.__version__, "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+                           "jax": jax.__version__, "command": " ".join(sys.argv), "warning": warning, "rows": rows},
+                          f, indent=1)
     _progress(len(cases), len(cases), "done")
 
     print(format_table(rows, copy_bw, device))
