@@ -120,7 +120,17 @@ constexpr bool f32_wide() {
   return sizeof(T) == 4 && sizeof(typename Op::State) == 4 && P * sizeof(T) == 16;
 }
 
-// Independent packs in flight per thread: 8 for 2-byte types (128 B) and f32_wide (128 B), else
+// float32 argmax/argmin in 16-byte packs: 8 packs in flight per thread too, under >= 3 blocks of
+// 256 (row kernels 56-62 registers, columns 80). Session 14, H100, same-run A/B against 4 packs:
+// rows 4096x16384 91.5 -> 89.5 µs, 1024x65536 92.6 -> 90.7, full 95.4 -> 93.6, argmax_cols
+// 1048576x64 99.6 -> 98.8; 64x2^20 (one wave of 512-thread blocks) 93.4 -> 95.0, also 94.8 on
+// ~1024 blocks; the rest unchanged.
+template <class Op, class T, int P>
+constexpr bool f32_arg8() {
+  return sizeof(T) == 4 && Op::kIndex && P * sizeof(T) == 16;
+}
+
+// Independent packs in flight per thread: 8 for 2-byte types (128 B), f32_wide and f32_arg8 (128 B), else
 // 4 (64 B; f64: 4 x 16 B). Two-byte types carry twice the elements per byte, so with the same
 // pack count a thread would have half the bytes in flight of float32 for the same per-element work.
 // The generic arg loop is the exception: its per-element compare/select/index work made 8
@@ -129,7 +139,18 @@ constexpr bool f32_wide() {
 // (4 packs under >= 4 blocks lost 1-24 % on rows in session 4).
 template <class Op, class T, int P>
 constexpr int unroll_for() {
-  return (sizeof(T) <= 2 && (!Op::kIndex || arg16_types<Op, T, P>())) || f32_wide<Op, T, P>() ? 8 : 4;
+  return (sizeof(T) <= 2 && (!Op::kIndex || arg16_types<Op, T, P>())) || f32_wide<Op, T, P>() ||
+                 f32_arg8<Op, T, P>()
+             ? 8
+             : 4;
+}
+
+// Packs in flight per lane of row_warp_kernel: float32 arg keeps 4 there, since 8 meant fewer
+// lanes per short row and lost 1-2 % (session 14, H100: 524288x128 90.7 -> 92.4 µs, 262144x256
+// 89.3 -> 90.4, 131072x512 88.3 -> 89.4; 1024-4096 columns unchanged).
+template <class Op, class T, int P>
+constexpr int warp_unroll() {
+  return f32_arg8<Op, T, P>() ? 4 : unroll_for<Op, T, P>();
 }
 
 // Launch bounds. Without them ptxas keeps the 2-byte kernels near 32 registers by issuing
@@ -139,7 +160,8 @@ constexpr int unroll_for() {
 // threads (>= 3 blocks, 768 threads x 128 B = 96 KB in flight per SM). 4-byte types with a
 // 4-byte state (sum, max) keep <= 48 (>= 5 blocks, 1280 x 64 B) for single-element loads and
 // <= 64 (>= 4 blocks, 1024 x 128 B) with 16-byte packs (f32_wide), wider states (logsumexp,
-// arg) <= 64 (>= 4 blocks): near the unhinted counts, without spills. float64 gets <= 128
+// arg) <= 64 (>= 4 blocks), float32 arg in 16-byte packs <= 80 (>= 3 blocks, f32_arg8): near the
+// unhinted counts, without spills. float64 gets <= 128
 // (its software exp in logsumexp spills at 64). Rows of 2-byte types never use 512-thread
 // blocks (max_row_block_threads), which would halve the register budget.
 constexpr int min_blocks_for(int element_bytes, int state_bytes, int threads) {
@@ -154,6 +176,7 @@ template <class Op, class T, int P, bool V = true>
 constexpr int min_blocks(int threads) {
   if constexpr (!V && P > 1) return (2 * 256 + threads - 1) / threads;
   else if constexpr (f32_wide<Op, T, P>()) return (4 * 256 + threads - 1) / threads;
+  else if constexpr (f32_arg8<Op, T, P>()) return (3 * 256 + threads - 1) / threads;
   else return min_blocks_for(static_cast<int>(sizeof(T)), static_cast<int>(sizeof(typename Op::State)), threads);
 }
 template <class T>
@@ -229,10 +252,10 @@ __device__ __forceinline__ void add_span_generic(typename Op::State& s, const T*
 // elements in increasing index order, as the arg ops' tie rule assumes of add().
 // 16-byte packs of bf16/f16 take the packed arg/logsumexp loops of reduce_fast16.cuh instead.
 // Idx is int where the span is known to fit (warp rows: n <= kWarpRowMax): fewer registers.
-template <class Op, class T, int P, bool V, class Idx = int64_t>
+template <class Op, class T, int P, bool V, class Idx = int64_t, int U = unroll_for<Op, T, P>()>
 __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx begin, Idx end, int t,
                                          int nthreads) {
-  constexpr int U = unroll_for<Op, T, P>(), S = slots_for<P>();
+  constexpr int S = slots_for<P>();
   if constexpr (arg16_path<Op, T, P>()) {  // packed bf16/f16 loops (reduce_fast16.cuh)
     const Idx stride = static_cast<Idx>(nthreads) * P, first = begin + static_cast<Idx>(t) * P;
     if (first < end) {
@@ -278,7 +301,8 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
        row0 += static_cast<int64_t>(gridDim.x) * warps * per_warp) {  // warp-uniform loop
     const int64_t row = row0 + lane / group;
     auto s = Op::identity();
-    if (row < rows) add_span<Op, T, P, V, int>(s, x + row * n, 0, static_cast<int>(n), lane % group, group);
+    if (row < rows)
+      add_span<Op, T, P, V, int, warp_unroll<Op, T, P>()>(s, x + row * n, 0, static_cast<int>(n), lane % group, group);
     for (int offset = group / 2; offset > 0; offset /= 2) s = Op::merge(s, cuda::shfl_xor(s, offset));
     if (lane % group == 0 && row < rows) emit<Op, T>(y, nullptr, row, s, n);
   }
@@ -433,7 +457,7 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
     constexpr int kWarps = 8;
     const int64_t packs = (n + P - 1) / P;
     int group = 32;
-    while (group > kMinRowLanes && static_cast<int64_t>(group) * unroll_for<Op, T, P>() > packs) group /= 2;
+    while (group > kMinRowLanes && static_cast<int64_t>(group) * warp_unroll<Op, T, P>() > packs) group /= 2;
     const int64_t rows_per_block = kWarps * (32 / group);
     return cuda::launch_kernel(row_warp_kernel<Op, T, P, V>, grid_for((p.outer + rows_per_block - 1) / rows_per_block),
         kWarps * 32, 0, stream, x, y, p.outer, n, group);
