@@ -121,21 +121,22 @@ constexpr bool f32_wide() {
 }
 
 // float32 argmax/argmin in 16-byte packs: 8 packs in flight per thread too, under >= 3 blocks of
-// 256 (row_block 60-64 registers, columns 80; row_warp keeps 4, see warp_unroll). Session 14, H100, same-run A/B against 4 packs:
-// rows 4096x16384 91.5 -> 89.5 µs, 1024x65536 92.6 -> 90.7, full 95.4 -> 93.6, argmax_cols
-// 1048576x64 99.6 -> 98.8; 64x2^20 (one wave of 512-thread blocks) 93.4 -> 95.0, also 94.8 on
-// ~1024 blocks; the rest unchanged.
+// 256 (row_block 60-64 registers, columns 80; row_warp keeps 4, see warp_unroll). Session 14,
+// H100, same-run A/B against 4 packs: rows 4096x16384 91.5 -> 89.5 µs, 1024x65536 92.6 -> 90.7,
+// full 95.4 -> 93.6, argmax_cols 1048576x64 99.6 -> 98.8; 64x2^20 (one wave of 512-thread
+// blocks) 93.4 -> 95.0, also 94.8 on ~1024 blocks; the rest unchanged.
 template <class Op, class T, int P>
 constexpr bool f32_arg8() {
   return sizeof(T) == 4 && Op::kIndex && P * sizeof(T) == 16;
 }
 
-// Independent packs in flight per thread: 8 for 2-byte types (128 B), f32_wide and f32_arg8 (128 B), else
-// 4 (64 B; f64: 4 x 16 B). Two-byte types carry twice the elements per byte, so with the same
-// pack count a thread would have half the bytes in flight of float32 for the same per-element work.
-// The generic arg loop on 2-byte types (8 elements a pack) is the exception: its per-element
-// compare/select/index work made 8 packs compute-bound (session 3, H100: bf16 argmax rows fell
-// from 0.68-0.83 to 0.54-0.64 of copy); float32 packs hold 4 elements (f32_arg8); the packed 2-byte arg loop (reduce_fast16.cuh, ~3 instructions an element) takes 8
+// Independent packs in flight per thread: 8 for 2-byte types, f32_wide and f32_arg8 (128 B),
+// else 4 (64 B; f64: 4 x 16 B). Two-byte types carry twice the elements per byte, so with the
+// same pack count a thread would have half the bytes in flight of float32 for the same
+// per-element work. The generic arg loop on 2-byte types (8 elements a pack) is the exception:
+// its per-element compare/select/index work made 8 packs compute-bound (session 3, H100: bf16
+// argmax rows fell from 0.68-0.83 to 0.54-0.64 of copy); float32 packs hold 4 elements
+// (f32_arg8); the packed 2-byte arg loop (reduce_fast16.cuh, ~3 instructions an element) takes 8
 // (4 packs under >= 4 blocks lost 1-24 % on rows in session 4).
 template <class Op, class T, int P>
 constexpr int unroll_for() {
@@ -282,7 +283,7 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
 }
 
 // inner == 1, short rows: `group` lanes per row (a power of two, 2..32), 32 / group rows per
-// warp. Short rows get fewer lanes so each lane still has unroll_for<Op, T, P>() packs in flight
+// warp. Short rows get fewer lanes so each lane still has warp_unroll<Op, T, P>() packs in flight
 // (a 1024-long bf16 row is 128 packs: 16 lanes x 8, two rows per warp; a 128-long one 2 lanes x
 // 8, sixteen rows per warp). A warp load then covers 16 rows x 32 B: whole sectors, all used.
 // Sessions 1-8 kept >= 8 lanes for 128-byte segments a row, which left 128- and 256-column rows
