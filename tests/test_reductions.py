@@ -257,6 +257,24 @@ def test_packed_arg_segments(shape, axis, key):
     assert np.all(np.asarray(jaxops.argmax(x, axis)) == far)
 
 
+@gpu_only
+@pytest.mark.parametrize("shape,axis", [((512, 32776), 1), ((512, 648, 64), 1), ((8, 1 << 22), 1),
+                                        ((1 << 18, 64), 0)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gpu_packed_arg_ring(shape, axis, dtype, key):
+    """Streams of >= 16 packs a thread take the shared-memory ring of the packed arg loop (cc/reduce:
+    arg16_stream_ring): block rows with a partial last batch (16-17 packs a thread), unsplit
+    columns (20-21), split rows (16) and split columns (20-21). NaN, +-inf, signed zeros and ties
+    against numpy, then plain rounded normals (ties only)."""
+    rng = _rng(key)
+    plain = np.round(2 * rng.standard_normal(shape))
+    for x in (_specials_for_half(rng, shape, axis), plain):
+        x = jnp.asarray(x.astype(np.float32).astype(dtype))
+        for op in ARG_OPS:
+            np.testing.assert_array_equal(np.asarray(getattr(jaxops, op)(x, axis)), _np_ref(op, _f64(x), axis),
+                                          err_msg=op)
+
+
 def test_bfloat16_accuracy_against_float64(key):
     """float32 accumulation: a bf16 sum of 65537 values is as good as rounding the exact sum."""
     x = normal(key, (4, 65537), jnp.bfloat16) + jnp.bfloat16(1.0)

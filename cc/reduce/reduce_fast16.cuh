@@ -26,6 +26,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_pipeline.h>
 
 #include <cstdint>
 #include <cstring>
@@ -137,6 +138,24 @@ __device__ __forceinline__ void arg16_seed(V (&run)[4], uint32_t (&pk_no)[4], co
   for (int w = 0; w < 4; ++w) run[w] = as_vec2<V>(word(pk, w)), pk_no[w] = 0u;
 }
 
+// Folds one segment's slots into st[0..8): slot j's pack number (from the segment's first pack,
+// `seg`) gives element index idx0 + pack * idx_step + j * slot_step.
+template <class Op, class V, class Idx>
+__device__ __forceinline__ void arg16_flush(typename Op::State (&st)[8], const V (&run)[4], const uint32_t (&pk_no)[4],
+                                            Idx seg, Idx idx0, Idx idx_step, int slot_step) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int j = 2 * w + h;
+      const float v = h == 0 ? __low2float(run[w]) : __high2float(run[w]);
+      const Idx kk = static_cast<Idx>((pk_no[w] >> (16 * h)) & 0xffffu) + seg;
+      const typename Op::State c{v, static_cast<int32_t>(idx0 + kk * idx_step + j * slot_step)};
+      st[j] = Op::merge(st[j], c);
+    }
+  }
+}
+
 // Folds `count` packs p, p + step, ... (16 bytes each, 8 elements) into st[0..8): element j of
 // pack k has index idx0 + k * idx_step + j * slot_step. U packs are loaded before their use;
 // the first pack of a segment seeds the slots (so an element equal to the identity, e.g. -inf
@@ -173,18 +192,81 @@ __device__ __forceinline__ void arg16_stream(typename Op::State (&st)[8], const 
       for (int u = 0; u < U; ++u) arg16_update<kMax>(run, pk_no, pk[u], static_cast<uint32_t>(k + u) * 0x00010001u);
     }
     for (; k < m; ++k, q += step) arg16_update<kMax>(run, pk_no, load16<kVec>(q), static_cast<uint32_t>(k) * 0x00010001u);
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int j = 2 * w + h;
-        const float v = h == 0 ? __low2float(run[w]) : __high2float(run[w]);
-        const Idx kk = static_cast<Idx>((pk_no[w] >> (16 * h)) & 0xffffu) + seg;
-        const typename Op::State c{v, static_cast<int32_t>(idx0 + kk * idx_step + j * slot_step)};
-        st[j] = Op::merge(st[j], c);
-      }
-    }
+    arg16_flush<Op>(st, run, pk_no, seg, idx0, idx_step, slot_step);
   }
+}
+
+// arg16_stream through a ring of shared memory: the same packs, slots and order of operations
+// (so the same indices), but the loads are cp.async copies, kStages - 1 batches of kRingPacks
+// ahead of the batch being folded. Why: in the register loop ptxas issues two of the eight loads
+// at the top of each batch and the rest between the compares (80 registers), so a thread has ~2-4
+// loads in flight; ncu (session 15, H100, the column kernel) shows its warps waiting on them:
+// scoreboard stalls, 0.22 issued warps a scheduler, DRAM at 76 %. Copies hold no registers. Each
+// thread reads back only the slots it filled itself, so no barrier is needed. `ring` is this
+// thread's first slot, slot i at ring[i * kThreads]; 16-byte aligned p only (cp.async); count < 2^31.
+constexpr int kRingPacks = 4;  // packs a batch (kArgSegment is a multiple: segments start a batch)
+
+template <class Op, class T, int kThreads, int kStages, class Idx>
+__device__ __forceinline__ void arg16_stream_ring(typename Op::State (&st)[8], const T* p, int count, Idx step,
+                                                  Idx idx0, Idx idx_step, int slot_step, uint4* ring) {
+  using V = typename Vec2<T>::type;
+  constexpr bool kMax = Op::kIsMax;
+  constexpr int S = kStages, U = kRingPacks;
+  static_assert(kArgSegment % U == 0, "segments start on a batch");
+  // Copies run one batch at a time into stage `put`; addresses advance, nothing is recomputed.
+  const T* src = p;
+  int issued = 0;
+  int put = 0;
+  const auto issue = [&]() {  // one commit group a batch, empty past the end
+    uint4* slot = ring + put * (U * kThreads);
+    if (issued + U <= count) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) __pipeline_memcpy_async(slot + u * kThreads, src + u * step, 16);
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (issued + u < count) __pipeline_memcpy_async(slot + u * kThreads, src + u * step, 16);
+    }
+    __pipeline_commit();
+    src += U * step;
+    issued += U;
+    put = put == S - 1 ? 0 : put + 1;
+  };
+#pragma unroll
+  for (int b = 0; b < S - 1; ++b) issue();
+  V run[4];
+  uint32_t pk_no[4];
+  int get = 0;
+  uint32_t in_seg = 0;  // pack number of the batch's first pack inside its segment
+  int seg = 0;          // first pack of the current segment
+  for (int k0 = 0; k0 < count; k0 += U) {
+    if (issued < count) issue();  // into the stage folded in the previous iteration (read back already)
+    else __pipeline_commit();
+    __pipeline_wait_prior(S - 1);
+    const uint4* slot = ring + get * (U * kThreads);
+    get = get == S - 1 ? 0 : get + 1;
+    uint4 pk[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) pk[u] = slot[u * kThreads];
+    if (in_seg == kArgSegment) {  // a segment starts: flush the last one
+      arg16_flush<Op>(st, run, pk_no, static_cast<Idx>(seg), idx0, idx_step, slot_step);
+      seg += kArgSegment;
+      in_seg = 0;
+    }
+    if (in_seg == 0) arg16_seed(run, pk_no, pk[0]);
+    const auto fold = [&](auto whole) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (u == 0 && in_seg == 0) continue;
+        if (!decltype(whole)::value && k0 + u >= count) break;
+        arg16_update<kMax>(run, pk_no, pk[u], (in_seg + u) * 0x00010001u);
+      }
+    };
+    if (k0 + U <= count) fold(std::true_type{});
+    else fold(std::false_type{});
+    in_seg += U;
+  }
+  arg16_flush<Op>(st, run, pk_no, static_cast<Idx>(seg), idx0, idx_step, slot_step);
 }
 
 // max/min of `count` packs p, p + step, ... into st[0..8) (slot j: element j of each pack): one

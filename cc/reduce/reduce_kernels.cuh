@@ -203,6 +203,37 @@ __device__ __forceinline__ typename Op::State fold_slots(typename Op::State (&ac
   return acc[0];
 }
 
+// The packed arg loop's shared-memory ring (arg16_stream_ring) in row_block_kernel: aligned
+// 16-byte packs of 2-byte types on sm_90+ (arg16_path; the host asks with arg16_types, as it
+// cannot see the device's path), when every thread has at least kRingMinPacks packs. H100, session
+// 15 (runs 1-5, same-run A/B against the register loop, bf16 argmax, µs): 1024x65536 48.9 -> 47.2,
+// 64x2^20 52.7 -> 50.2, full 51.8 -> 50.2 with 4 stages (3 stages: 47.5 / 50.6 / 50.5; 2: 47.9 /
+// 51.0 / 50.8); 4096x16384 (8 packs a thread) 46.9 -> 47.7 through the ring, hence the minimum.
+// The column kernel keeps the register loop: through a 2-stage ring (16 KB of fold states plus a
+// 4-stage ring leave 2 blocks an SM) argmax_cols moved 54.0 -> 53.6 (1048576x64), 54.5 -> 54.3
+// (262144x256) and 52.5 -> 53.6 (16384x4096).
+constexpr int kRowRingStages = 4;
+constexpr int kRingMinPacks = 16;
+
+// Whether a block-row launch streams through the ring (a function of the plan): chunks of `chunk`
+// elements over `threads` threads of P-element packs.
+__host__ __device__ constexpr bool ring_rows(int64_t chunk, int threads, int P) {
+  return chunk >= int64_t(kRingMinPacks) * threads * P;
+}
+
+template <class Op, class T, int P, bool V>
+__host__ __device__ constexpr bool uses_ring() {
+#if defined(__CUDA_ARCH__)
+  return V && arg16_path<Op, T, P>();
+#else
+  return V && arg16_types<Op, T, P>();
+#endif
+}
+template <class Op, class T, int P, bool V>
+__host__ __device__ constexpr size_t ring_bytes(int threads, int stages) {
+  return uses_ring<Op, T, P, V>() ? size_t(threads) * stages * kRingPacks * 16 : 0;
+}
+
 // The generic loop of add_span (below). Rows whose packs do not divide into U a lane end in a
 // tail, and a pack-at-a-time tail keeps one load in flight. float32 sum/max/min/mean (f32_wide)
 // and the packed 16-bit max/min (ext16_stream) load their tail kTailPacks packs at a time before
@@ -253,9 +284,12 @@ __device__ __forceinline__ void add_span_generic(typename Op::State& s, const T*
 // elements in increasing index order, as the arg ops' tie rule assumes of add().
 // 16-byte packs of bf16/f16 take the packed arg/logsumexp loops of reduce_fast16.cuh instead.
 // Idx is int where the span is known to fit (warp rows: n <= kWarpRowMax): fewer registers.
+// `ring` (aligned x only): this thread's slots of a kRowRingStages-stage ring for the packed arg
+// loop (arg16_stream_ring, slot i at ring[i * kBlockThreads], so nthreads == kBlockThreads);
+// nullptr keeps the register loop.
 template <class Op, class T, int P, bool V, class Idx = int64_t, int U = unroll_for<Op, T, P>()>
 __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx begin, Idx end, int t,
-                                         int nthreads) {
+                                         int nthreads, uint4* ring = nullptr) {
   constexpr int S = slots_for<P>();
   if constexpr (arg16_path<Op, T, P>()) {  // packed bf16/f16 loops (reduce_fast16.cuh)
     const Idx stride = static_cast<Idx>(nthreads) * P, first = begin + static_cast<Idx>(t) * P;
@@ -263,7 +297,12 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
       typename Op::State st[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) st[j] = Op::identity();
-      arg16_stream<Op, T, U, V, Idx>(st, x + first, (end - first + stride - 1) / stride, stride, first, stride, 1);
+      const Idx count = (end - first + stride - 1) / stride;
+      if (uses_ring<Op, T, P, V>() && ring != nullptr)  // count < 2^31: launch_rows
+        arg16_stream_ring<Op, T, kBlockThreads, kRowRingStages, Idx>(st, x + first, static_cast<int>(count), stride,
+                                                                     first, stride, 1, ring);
+      else
+        arg16_stream<Op, T, U, V, Idx>(st, x + first, count, stride, first, stride, 1);
       s = Op::merge(s, fold_slots<Op, 8>(st));
     }
   } else if constexpr (lse16_path<Op, T, P>()) {
@@ -312,17 +351,19 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
 // inner == 1: block b = row * splits + split reduces x[row, split*chunk : (split+1)*chunk].
 // With ws it writes the partial state ws[b] (merged by merge_kernel); otherwise (splits == 1)
 // the finished y[row].
-template <class Op, class T, int P, bool V>
+template <class Op, class T, int P, bool V, bool kRing = false>
 __global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, P, V>(max_row_block_threads<T>()))
     row_block_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t rows, int64_t n,
                      int64_t splits, int64_t chunk) {
   cuda::enter_kernel();
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // kRing: the ring (ring_bytes)
+  uint4* const ring = kRing ? reinterpret_cast<uint4*>(smem_raw) + threadIdx.x : nullptr;
   for (int64_t b = blockIdx.x; b < rows * splits; b += gridDim.x) {
     const int64_t row = b / splits, split = b % splits;
     const int64_t begin = split * chunk;
     const int64_t end = begin + chunk < n ? begin + chunk : n;
     auto s = Op::identity();
-    if (begin < end) add_span<Op, T, P, V>(s, x + row * n, begin, end, threadIdx.x, blockDim.x);
+    if (begin < end) add_span<Op, T, P, V>(s, x + row * n, begin, end, threadIdx.x, blockDim.x, ring);
     s = block_merge<Op>(s);
     if (threadIdx.x == 0) emit<Op, T>(y, ws, b, s, n);
   }
@@ -338,7 +379,7 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
                   int64_t inner, int64_t splits, int64_t chunk, int64_t tiles) {
   cuda::enter_kernel();
   using S = typename Op::State;
-  extern __shared__ unsigned char smem_raw[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
   S* smem = reinterpret_cast<S*>(smem_raw);  // [TY][TX * P]
   const int tx = threadIdx.x, ty = threadIdx.y, TX = blockDim.x, TY = blockDim.y;
   for (int64_t b = blockIdx.x; b < outer * splits * tiles; b += gridDim.x) {
@@ -402,7 +443,7 @@ __global__ void merge_kernel(const typename Op::State* __restrict__ ws, void* y,
                              int64_t splits, int64_t inner, int64_t tiles, int64_t count) {
   cuda::enter_kernel();
   using S = typename Op::State;
-  extern __shared__ unsigned char smem_raw[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
   S* smem = reinterpret_cast<S*>(smem_raw);  // [TY][TX]
   const int tx = threadIdx.x, ty = threadIdx.y, TX = blockDim.x, TY = blockDim.y;
   for (int64_t b = blockIdx.x; b < outer * tiles; b += gridDim.x) {
@@ -467,9 +508,23 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
   int64_t chunk = (n + p.splits - 1) / p.splits;
   chunk = (chunk + P - 1) / P * P;
   const int threads = chunk >= 32768 ? max_row_block_threads<T>() : 256;
+  static_assert(!uses_ring<Op, T, P, V>() || max_row_block_threads<T>() == kBlockThreads, "the ring's slot stride");
+  if constexpr (uses_ring<Op, T, P, V>())  // the ring counts a thread's packs in 32 bits
+    if (chunk / (int64_t(threads) * P) >= INT_MAX) return launch_rows<Op, T, P, false>(x, y, ws, p, stream);
   const bool split = p.splits > 1;
-  if (cudaError_t err = cuda::launch_kernel(row_block_kernel<Op, T, P, V>, grid_for(p.outer * p.splits), threads, 0,
-      stream, x, y, split ? ws : nullptr, p.outer, n, p.splits, chunk); err != cudaSuccess || !split) return err;
+  cudaError_t err;
+  if (uses_ring<Op, T, P, V>() && ring_rows(chunk, threads, P)) {
+    constexpr auto kernel = row_block_kernel<Op, T, P, V, uses_ring<Op, T, P, V>()>;
+    const size_t smem = ring_bytes<Op, T, P, V>(threads, kRowRingStages);
+    err = cuda::allow_dynamic_smem(kernel, smem);
+    if (err == cudaSuccess)
+      err = cuda::launch_kernel(kernel, grid_for(p.outer * p.splits), threads, smem, stream, x, y, split ? ws : nullptr,
+                                p.outer, n, p.splits, chunk);
+  } else {
+    err = cuda::launch_kernel(row_block_kernel<Op, T, P, V>, grid_for(p.outer * p.splits), threads, 0, stream, x, y,
+                              split ? ws : nullptr, p.outer, n, p.splits, chunk);
+  }
+  if (err != cudaSuccess || !split) return err;
   return merge_partials<Op, T>(ws, y, p, stream);
 }
 
