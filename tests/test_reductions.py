@@ -258,14 +258,15 @@ def test_packed_arg_segments(shape, axis, key):
 
 
 @gpu_only
-@pytest.mark.parametrize("shape,axis", [((512, 32776), 1), ((512, 648, 64), 1), ((8, 1 << 22), 1),
-                                        ((1 << 18, 64), 0)])
+@pytest.mark.parametrize("shape,axis", [((512, 32776), 1), ((8, 1 << 22), 1), (((1 << 25) + 2056,), 0),
+                                        ((1001, 4096), 1)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_gpu_packed_arg_ring(shape, axis, dtype, key):
-    """Streams of >= 16 packs a thread take the shared-memory ring of the packed arg loop (cc/reduce:
-    arg16_stream_ring): block rows with a partial last batch (16-17 packs a thread), unsplit
-    columns (20-21), split rows (16) and split columns (20-21). NaN, +-inf, signed zeros and ties
-    against numpy, then plain rounded normals (ties only)."""
+    """Rows whose threads get >= 16 packs take the shared-memory ring of the packed arg loop
+    (cc/reduce: arg16_stream_ring): block rows with a partial last batch (16-17 packs a thread),
+    split rows (16), a full reduction whose last split is shorter, and 4096-long rows a warp each
+    (16 packs a lane, several rows a warp). NaN, +-inf, signed zeros and ties against numpy, then
+    plain rounded normals (ties only)."""
     rng = _rng(key)
     plain = np.round(2 * rng.standard_normal(shape))
     for x in (_specials_for_half(rng, shape, axis), plain):

@@ -284,10 +284,10 @@ __device__ __forceinline__ void add_span_generic(typename Op::State& s, const T*
 // elements in increasing index order, as the arg ops' tie rule assumes of add().
 // 16-byte packs of bf16/f16 take the packed arg/logsumexp loops of reduce_fast16.cuh instead.
 // Idx is int where the span is known to fit (warp rows: n <= kWarpRowMax): fewer registers.
-// `ring` (aligned x only): this thread's slots of a kRowRingStages-stage ring for the packed arg
-// loop (arg16_stream_ring, slot i at ring[i * kBlockThreads], so nthreads == kBlockThreads);
-// nullptr keeps the register loop.
-template <class Op, class T, int P, bool V, class Idx = int64_t, int U = unroll_for<Op, T, P>()>
+// kRing (aligned x only): `ring` is this thread's first slot of a kRowRingStages-stage ring for
+// the packed arg loop (arg16_stream_ring; slot i at ring[i * kBlockThreads], blocks of
+// kBlockThreads threads); otherwise the register loop.
+template <class Op, class T, int P, bool V, class Idx = int64_t, int U = unroll_for<Op, T, P>(), bool kRing = false>
 __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx begin, Idx end, int t,
                                          int nthreads, uint4* ring = nullptr) {
   constexpr int S = slots_for<P>();
@@ -298,7 +298,7 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
 #pragma unroll
       for (int j = 0; j < 8; ++j) st[j] = Op::identity();
       const Idx count = (end - first + stride - 1) / stride;
-      if (uses_ring<Op, T, P, V>() && ring != nullptr)  // count < 2^31: launch_rows
+      if constexpr (kRing && uses_ring<Op, T, P, V>())  // count < 2^31: launch_rows
         arg16_stream_ring<Op, T, kBlockThreads, kRowRingStages, Idx>(st, x + first, static_cast<int>(count), stride,
                                                                      first, stride, 1, ring);
       else
@@ -331,10 +331,12 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
 // 87.8 -> 47.3, argmax 119.1 -> 51.3 / 87.7 -> 48.0; float32 unchanged within 1 %; 4 lanes sat
 // in between). Group merges use xor shuffles with offsets < group, which stay inside the
 // aligned group of lanes.
-template <class Op, class T, int P, bool V>
+template <class Op, class T, int P, bool V, bool kRing = false>
 __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
     row_warp_kernel(const T* __restrict__ x, void* y, int64_t rows, int64_t n, int group) {
   cuda::enter_kernel();
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // kRing: the ring (ring_bytes)
+  uint4* const ring = kRing ? reinterpret_cast<uint4*>(smem_raw) + threadIdx.x : nullptr;
   const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
   const int per_warp = 32 / group;
   for (int64_t row0 = (static_cast<int64_t>(blockIdx.x) * warps + threadIdx.x / 32) * per_warp; row0 < rows;
@@ -342,7 +344,8 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
     const int64_t row = row0 + lane / group;
     auto s = Op::identity();
     if (row < rows)
-      add_span<Op, T, P, V, int, warp_unroll<Op, T, P>()>(s, x + row * n, 0, static_cast<int>(n), lane % group, group);
+      add_span<Op, T, P, V, int, warp_unroll<Op, T, P>(), kRing>(s, x + row * n, 0, static_cast<int>(n), lane % group,
+                                                                 group, ring);
     for (int offset = group / 2; offset > 0; offset /= 2) s = Op::merge(s, cuda::shfl_xor(s, offset));
     if (lane % group == 0 && row < rows) emit<Op, T>(y, nullptr, row, s, n);
   }
@@ -363,7 +366,9 @@ __global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, 
     const int64_t begin = split * chunk;
     const int64_t end = begin + chunk < n ? begin + chunk : n;
     auto s = Op::identity();
-    if (begin < end) add_span<Op, T, P, V>(s, x + row * n, begin, end, threadIdx.x, blockDim.x, ring);
+    if (begin < end)
+      add_span<Op, T, P, V, int64_t, unroll_for<Op, T, P>(), kRing>(s, x + row * n, begin, end, threadIdx.x, blockDim.x,
+                                                                     ring);
     s = block_merge<Op>(s);
     if (threadIdx.x == 0) emit<Op, T>(y, ws, b, s, n);
   }
@@ -501,8 +506,14 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
     int group = 32;
     while (group > kMinRowLanes && static_cast<int64_t>(group) * warp_unroll<Op, T, P>() > packs) group /= 2;
     const int64_t rows_per_block = kWarps * (32 / group);
-    return cuda::launch_kernel(row_warp_kernel<Op, T, P, V>, grid_for((p.outer + rows_per_block - 1) / rows_per_block),
-        kWarps * 32, 0, stream, x, y, p.outer, n, group);
+    const unsigned grid = grid_for((p.outer + rows_per_block - 1) / rows_per_block);
+    if (uses_ring<Op, T, P, V>() && ring_rows(n, group, P)) {  // 4096-long rows: 16 packs a lane
+      constexpr auto kernel = row_warp_kernel<Op, T, P, V, uses_ring<Op, T, P, V>()>;
+      const size_t smem = ring_bytes<Op, T, P, V>(kWarps * 32, kRowRingStages);
+      if (cudaError_t err = cuda::allow_dynamic_smem(kernel, smem)) return err;
+      return cuda::launch_kernel(kernel, grid, kWarps * 32, smem, stream, x, y, p.outer, n, group);
+    }
+    return cuda::launch_kernel(row_warp_kernel<Op, T, P, V>, grid, kWarps * 32, 0, stream, x, y, p.outer, n, group);
   }
   // Chunks are whole packs; chunk >= n / splits so `splits` chunks cover the row.
   int64_t chunk = (n + p.splits - 1) / p.splits;
