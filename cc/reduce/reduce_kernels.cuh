@@ -203,20 +203,20 @@ __device__ __forceinline__ typename Op::State fold_slots(typename Op::State (&ac
   return acc[0];
 }
 
-// The packed arg loop's shared-memory ring (arg16_stream_ring) in row_block_kernel: aligned
+// The packed arg loop's shared-memory ring (arg16_stream_ring) in the row kernels (kRing): aligned
 // 16-byte packs of 2-byte types on sm_90+ (arg16_path; the host asks with arg16_types, as it
 // cannot see the device's path), when every thread has at least kRingMinPacks packs. H100, session
-// 15 (runs 1-5, same-run A/B against the register loop, bf16 argmax, µs): 1024x65536 48.9 -> 47.2,
-// 64x2^20 52.7 -> 50.2, full 51.8 -> 50.2 with 4 stages (3 stages: 47.5 / 50.6 / 50.5; 2: 47.9 /
-// 51.0 / 50.8); 4096x16384 (8 packs a thread) 46.9 -> 47.7 through the ring, hence the minimum.
-// The column kernel keeps the register loop: through a 2-stage ring (16 KB of fold states plus a
-// 4-stage ring leave 2 blocks an SM) argmax_cols moved 54.0 -> 53.6 (1048576x64), 54.5 -> 54.3
-// (262144x256) and 52.5 -> 53.6 (16384x4096).
+// 15 (runs 3-7, same-run A/B against the register loop, bf16 argmax, µs): 1024x65536 48.9 -> 47.0,
+// 64x2^20 52.7 -> 50.0, full 51.9 -> 50.1 with 4 stages (3 stages: 47.5 / 50.6 / 50.5; 2: 47.9 /
+// 51.0 / 50.8), 16384x4096 (a warp a row, 16 packs a lane) 48.8 -> 47.3; 4096x16384 (8 packs a
+// thread) 46.9 -> 47.7 through the ring, hence the minimum. The column kernel keeps the register
+// loop: through a 2-stage ring (16 KB of fold states plus a 4-stage ring leave 2 blocks an SM)
+// argmax_cols moved 54.0 -> 53.6 (1048576x64), 54.5 -> 54.3 (262144x256), 52.5 -> 53.6 (16384x4096).
 constexpr int kRowRingStages = 4;
 constexpr int kRingMinPacks = 16;
 
-// Whether a block-row launch streams through the ring (a function of the plan): chunks of `chunk`
-// elements over `threads` threads of P-element packs.
+// Whether a row launch streams through the ring (a function of the plan): chunks of `chunk`
+// elements over `threads` threads (or a warp kernel's `group` lanes) of P-element packs.
 __host__ __device__ constexpr bool ring_rows(int64_t chunk, int threads, int P) {
   return chunk >= int64_t(kRingMinPacks) * threads * P;
 }
