@@ -508,6 +508,7 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
     const int64_t rows_per_block = kWarps * (32 / group);
     const unsigned grid = grid_for((p.outer + rows_per_block - 1) / rows_per_block);
     if (uses_ring<Op, T, P, V>() && ring_rows(n, group, P)) {  // 4096-long rows: 16 packs a lane
+      static_assert(kWarps * 32 == kBlockThreads, "the ring's slot stride");
       constexpr auto kernel = row_warp_kernel<Op, T, P, V, uses_ring<Op, T, P, V>()>;
       const size_t smem = ring_bytes<Op, T, P, V>(kWarps * 32, kRowRingStages);
       if (cudaError_t err = cuda::allow_dynamic_smem(kernel, smem)) return err;
