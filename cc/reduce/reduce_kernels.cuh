@@ -216,9 +216,11 @@ constexpr int kRowRingStages = 4;
 constexpr int kRingMinPacks = 16;
 
 // Whether a row launch streams through the ring (a function of the plan): chunks of `chunk`
-// elements over `threads` threads (or a warp kernel's `group` lanes) of P-element packs.
-__host__ __device__ constexpr bool ring_rows(int64_t chunk, int threads, int P) {
-  return chunk >= int64_t(kRingMinPacks) * threads * P;
+// elements over `threads` threads (or a warp kernel's `group` lanes) of P-element packs, whose
+// count a thread still fits the ring's 32 bits.
+constexpr bool ring_rows(int64_t chunk, int threads, int P) {
+  const int64_t packs = chunk / (int64_t(threads) * P);
+  return packs >= kRingMinPacks && packs < INT_MAX;
 }
 
 template <class Op, class T, int P, bool V>
@@ -229,9 +231,14 @@ __host__ __device__ constexpr bool uses_ring() {
   return V && arg16_types<Op, T, P>();
 #endif
 }
-template <class Op, class T, int P, bool V>
-__host__ __device__ constexpr size_t ring_bytes(int threads, int stages) {
-  return uses_ring<Op, T, P, V>() ? size_t(threads) * stages * kRingPacks * 16 : 0;
+
+// Launches Plain, or Ring (same arguments) with the ring's shared memory when `ring`.
+template <auto Plain, auto Ring, class... Args>
+cudaError_t launch_row_kernel(bool ring, dim3 grid, int threads, cudaStream_t stream, Args... args) {
+  if (!ring) return cuda::launch_kernel(Plain, grid, threads, 0, stream, args...);
+  const size_t smem = size_t(threads) * kRowRingStages * kRingPacks * 16;
+  if (cudaError_t err = cuda::allow_dynamic_smem(Ring, smem)) return err;
+  return cuda::launch_kernel(Ring, grid, threads, smem, stream, args...);
 }
 
 // The generic loop of add_span (below). Rows whose packs do not divide into U a lane end in a
@@ -335,7 +342,7 @@ template <class Op, class T, int P, bool V, bool kRing = false>
 __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
     row_warp_kernel(const T* __restrict__ x, void* y, int64_t rows, int64_t n, int group) {
   cuda::enter_kernel();
-  extern __shared__ __align__(16) unsigned char smem_raw[];  // kRing: the ring (ring_bytes)
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // kRing: the ring (launch_row_kernel)
   uint4* const ring = kRing ? reinterpret_cast<uint4*>(smem_raw) + threadIdx.x : nullptr;
   const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
   const int per_warp = 32 / group;
@@ -359,7 +366,7 @@ __global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, 
     row_block_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t rows, int64_t n,
                      int64_t splits, int64_t chunk) {
   cuda::enter_kernel();
-  extern __shared__ __align__(16) unsigned char smem_raw[];  // kRing: the ring (ring_bytes)
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // kRing: the ring (launch_row_kernel)
   uint4* const ring = kRing ? reinterpret_cast<uint4*>(smem_raw) + threadIdx.x : nullptr;
   for (int64_t b = blockIdx.x; b < rows * splits; b += gridDim.x) {
     const int64_t row = b / splits, split = b % splits;
@@ -506,37 +513,24 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
     int group = 32;
     while (group > kMinRowLanes && static_cast<int64_t>(group) * warp_unroll<Op, T, P>() > packs) group /= 2;
     const int64_t rows_per_block = kWarps * (32 / group);
-    const unsigned grid = grid_for((p.outer + rows_per_block - 1) / rows_per_block);
-    if (uses_ring<Op, T, P, V>() && ring_rows(n, group, P)) {  // 4096-long rows: 16 packs a lane
-      static_assert(kWarps * 32 == kBlockThreads, "the ring's slot stride");
-      constexpr auto kernel = row_warp_kernel<Op, T, P, V, uses_ring<Op, T, P, V>()>;
-      const size_t smem = ring_bytes<Op, T, P, V>(kWarps * 32, kRowRingStages);
-      if (cudaError_t err = cuda::allow_dynamic_smem(kernel, smem)) return err;
-      return cuda::launch_kernel(kernel, grid, kWarps * 32, smem, stream, x, y, p.outer, n, group);
-    }
-    return cuda::launch_kernel(row_warp_kernel<Op, T, P, V>, grid, kWarps * 32, 0, stream, x, y, p.outer, n, group);
+    static_assert(kWarps * 32 == kBlockThreads, "the ring's slot stride");
+    // Only 4096-long rows take the ring (16 packs a lane).
+    return launch_row_kernel<row_warp_kernel<Op, T, P, V>, row_warp_kernel<Op, T, P, V, uses_ring<Op, T, P, V>()>>(
+        uses_ring<Op, T, P, V>() && ring_rows(n, group, P), grid_for((p.outer + rows_per_block - 1) / rows_per_block),
+        kWarps * 32, stream, x, y, p.outer, n, group);
   }
   // Chunks are whole packs; chunk >= n / splits so `splits` chunks cover the row.
   int64_t chunk = (n + p.splits - 1) / p.splits;
   chunk = (chunk + P - 1) / P * P;
   const int threads = chunk >= 32768 ? max_row_block_threads<T>() : 256;
   static_assert(!uses_ring<Op, T, P, V>() || max_row_block_threads<T>() == kBlockThreads, "the ring's slot stride");
-  if constexpr (uses_ring<Op, T, P, V>())  // the ring counts a thread's packs in 32 bits
-    if (chunk / (int64_t(threads) * P) >= INT_MAX) return launch_rows<Op, T, P, false>(x, y, ws, p, stream);
   const bool split = p.splits > 1;
-  cudaError_t err;
-  if (uses_ring<Op, T, P, V>() && ring_rows(chunk, threads, P)) {
-    constexpr auto kernel = row_block_kernel<Op, T, P, V, uses_ring<Op, T, P, V>()>;
-    const size_t smem = ring_bytes<Op, T, P, V>(threads, kRowRingStages);
-    err = cuda::allow_dynamic_smem(kernel, smem);
-    if (err == cudaSuccess)
-      err = cuda::launch_kernel(kernel, grid_for(p.outer * p.splits), threads, smem, stream, x, y, split ? ws : nullptr,
-                                p.outer, n, p.splits, chunk);
-  } else {
-    err = cuda::launch_kernel(row_block_kernel<Op, T, P, V>, grid_for(p.outer * p.splits), threads, 0, stream, x, y,
-                              split ? ws : nullptr, p.outer, n, p.splits, chunk);
-  }
-  if (err != cudaSuccess || !split) return err;
+  if (cudaError_t err =
+          launch_row_kernel<row_block_kernel<Op, T, P, V>, row_block_kernel<Op, T, P, V, uses_ring<Op, T, P, V>()>>(
+              uses_ring<Op, T, P, V>() && ring_rows(chunk, threads, P), grid_for(p.outer * p.splits), threads, stream,
+              x, y, split ? ws : nullptr, p.outer, n, p.splits, chunk);
+      err != cudaSuccess || !split)
+    return err;
   return merge_partials<Op, T>(ws, y, p, stream);
 }
 
