@@ -135,6 +135,25 @@ def test_every_op_matches_reference(dtype, key):
             np.testing.assert_array_equal(np.asarray(got), ref, err_msg=f"{op} {shape} {arg_axis}")
 
 
+# Unsplit rows on the GPU (cc/reduce/reduce_kernels.cuh: warp_rows, row_block_threads): a warp
+# a row up to one round of loads, then blocks of 32 ... 512 threads by row length and op, and the
+# element-load plans of rows that are not whole 16-byte packs (4097, 12289).
+@pytest.mark.parametrize("n", [1024, 1028, 2048, 2056, 4096, 4097, 4100, 6000, 8192, 12289, 16384])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_row_lengths_across_thread_plans(n, dtype, key):
+    skip_f64_without_x64(dtype)
+    rng = _rng(key)
+    x = _rand(rng, (7, n), dtype, scale=3.0)
+    xt = jnp.asarray(np.round(2 * rng.standard_normal((7, n))).astype(np.float32).astype(dtype))
+    run = jax.jit(lambda x, xt: ([getattr(jaxops, op)(x, 1) for op in VALUE_OPS],
+                                 [getattr(jaxops, op)(xt, 1) for op in ARG_OPS]))
+    vals, args = run(x, xt)
+    for op, got in zip(VALUE_OPS, vals):
+        _check_value(op, got, x, 1, False)
+    for op, got in zip(ARG_OPS, args):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(REF[op](xt, axis=1)), err_msg=f"{op} {n}")
+
+
 @pytest.mark.parametrize("shape,axis", [((6, 9), 1), ((9, 6), 0), ((5, 3000), 1), ((3, 70000), 1),
                                         ((3000, 5), 0), ((40000,), None)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -264,9 +283,9 @@ def test_packed_arg_segments(shape, axis, key):
 def test_gpu_packed_arg_ring(shape, axis, dtype, key):
     """Rows whose threads get >= 16 packs take the shared-memory ring of the packed arg loop
     (cc/reduce: arg16_stream_ring): block rows with a partial last batch (16-17 packs a thread),
-    split rows (16), a full reduction whose last split is shorter, and 4096-long rows a warp each
-    (16 packs a lane, several rows a warp). NaN, +-inf, signed zeros and ties against numpy, then
-    plain rounded normals (ties only)."""
+    split rows (16), a full reduction whose last split is shorter; 4096-long rows (blocks of 64
+    threads, 8 packs each) take the register loop beside them. NaN, +-inf, signed zeros and ties
+    against numpy, then plain rounded normals (ties only)."""
     rng = _rng(key)
     plain = np.round(2 * rng.standard_normal(shape))
     for x in (_specials_for_half(rng, shape, axis), plain):
@@ -490,15 +509,17 @@ def test_split_plan():
     """The shape-only plan (jaxops._reductions._splits): column splits fill one resident wave of
     the H100 (3 blocks of 256 threads per SM); split rows and full reductions take about 1024
     blocks of >= 8192 elements, except float32 arg/logsumexp over more than one row (one wave of
-    2 blocks of 512 per SM); the benchmark shapes get the planned split counts."""
-    from jaxops._reductions import _MIN_ROW_CHUNK, _TARGET_BLOCKS, _splits, _wave_blocks
+    2 blocks of 512 per SM) and the light ops (sum, mean, max, min, 16-bit logsumexp) over more
+    than one row (about 4096 blocks); the benchmark shapes get the planned split counts."""
+    from jaxops._reductions import _MIN_ROW_CHUNK, _TARGET_BLOCKS, _TARGET_BLOCKS_LIGHT, _splits, _wave_blocks
 
     plans = {  # (outer, n, inner, itemsize, fn): splits
         (1, 1 << 26, 1, 2, "sum"): 1024, (1, 1 << 26, 1, 2, "argmax"): 1024,
         (1, 1 << 26, 1, 4, "sum"): 1024, (1, 1 << 26, 1, 4, "argmax"): 1024,
         (1, 1 << 26, 1, 4, "logsumexp"): 1024,
-        (64, 1 << 20, 1, 2, "sum"): 16, (64, 1 << 20, 1, 2, "logsumexp"): 16, (64, 1 << 20, 1, 2, "argmax"): 16,
-        (64, 1 << 20, 1, 4, "sum"): 16, (64, 1 << 20, 1, 4, "max"): 16,
+        (64, 1 << 20, 1, 2, "sum"): 64, (64, 1 << 20, 1, 2, "logsumexp"): 64, (64, 1 << 20, 1, 2, "argmax"): 16,
+        (64, 1 << 20, 1, 4, "sum"): 64, (64, 1 << 20, 1, 4, "max"): 64, (64, 1 << 20, 1, 4, "mean"): 64,
+        (64, 1 << 20, 1, 2, "min"): 64, (1, 1 << 26, 1, 2, "max"): 1024, (1, 1 << 26, 1, 2, "logsumexp"): 1024,
         (64, 1 << 20, 1, 4, "argmax"): 4, (64, 1 << 20, 1, 4, "argmin"): 4, (64, 1 << 20, 1, 4, "logsumexp"): 4,
         (64, 1 << 20, 1, 8, "argmax"): 16,
         (1, 1 << 20, 64, 2, "sum"): 396, (1, 1 << 18, 256, 2, "argmax"): 396, (1, 1 << 14, 4096, 2, "sum"): 24,
@@ -515,8 +536,9 @@ def test_split_plan():
                     k = _splits(outer, n, inner, size, fn)
                     assert k >= 1
                     if inner == 1 and not (size == 4 and fn == "argmax" and outer > 1):
-                        # about _TARGET_BLOCKS blocks, chunks of >= _MIN_ROW_CHUNK elements
-                        assert k == min(-(-_TARGET_BLOCKS // outer), -(-n // _MIN_ROW_CHUNK)), (outer, n, k)
+                        # about _TARGET_BLOCKS(_LIGHT) blocks, chunks of >= _MIN_ROW_CHUNK elements
+                        target = _TARGET_BLOCKS_LIGHT if fn == "sum" and outer > 1 else _TARGET_BLOCKS
+                        assert k == min(-(-target // outer), -(-n // _MIN_ROW_CHUNK)), (outer, n, k)
                         continue
                     pack = 16 // size if inner % (16 // size) == 0 else 1
                     tx = min(32, 1 << (-(-inner // pack) - 1).bit_length())

@@ -190,8 +190,8 @@ def _reduce_cases(key, size, axes=((0, 2), None, -1, 0)):
 
 def _arg_cases(key, size):
     cases = _reduce_cases(key, size, axes=(-1, None, 0))
-    if size != "small":  # rows whose threads get >= 16 packs: the packed loop's shared-memory ring
-        for i, shape in enumerate([(16, 4096), (600, 32768)]):  # a warp a row; a block a row
+    if size != "small":  # 4096-long rows (blocks of 64); rows whose threads get >= 16 packs (the ring)
+        for i, shape in enumerate([(16, 4096), (600, 32768)]):
             x = _normal(jax.random.fold_in(key, 100 + i), shape, jnp.bfloat16)
             cases.append(Case(f"bfloat16{list(shape)} axis=-1", (x,), {"axis": -1}))
     return cases

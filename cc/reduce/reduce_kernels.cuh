@@ -31,9 +31,9 @@ using cuda::load_pack;
 using cuda::Pack;
 using cuda::to_acc;
 
-constexpr int kWarpRowMax = 4096;    // rows up to this length go to row_warp_kernel (_WARP_ROW_MAX)
 constexpr int kMinRowLanes = 2;      // see row_warp_kernel
 constexpr int kBlockThreads = 256;   // column / merge kernels
+constexpr int kWarpRowMax = 4096;    // element-load rows up to this length go to row_warp_kernel
 constexpr int kMaxGrid = INT_MAX;
 
 template <class Op>
@@ -185,6 +185,46 @@ constexpr int max_row_block_threads() {
   return sizeof(T) <= 2 ? 256 : 512;
 }
 
+// Packs a thread takes from one row (or chunk of a split row) of 16-byte packs: the unroll, so a
+// row is read in one round of loads (a 4096-long float32 row by 128 threads, 8192 bf16 by 128),
+// except float32 logsumexp, whose 4-pack loop and expf-heavy block merge want fewer, longer
+// threads. Until session 16 every block row had 256 threads and rows up to 4096 elements a warp:
+// bf16 rows of 4097-16383 elements then left each thread fewer packs than the unroll, all in the
+// one-pack-at-a-time tail. H100, session 16 run 5, µs, same-run A/B: 8192x8192 bf16 (256 -> 128
+// threads) sum 49.6 -> 43.9, max 48.0 -> 44.0, logsumexp 91.0 -> 45.8, argmax 88.3 -> 45.9 (XLA
+// 43.3-47.4); 16384x6000 bf16 argmax 148.4 -> 88.3, float32 192.0 -> 139.6; 8192x8192 float32
+// logsumexp 96.5 -> 91.4. 16384x4096 float32 (a warp -> a block of 128): sum 85.6 -> 85.3, max
+// 86.0 -> 85.5, argmax 88.5 -> 88.0 (XLA 85.6), on the hosts of runs 2-4 87.8 -> 86.1, 88.2 ->
+// 86.2, 90.9 -> 88.2 (XLA 85.5 / 85.5 / 86.3).
+template <class Op, class T, int P>
+constexpr int row_packs_per_thread() {
+  return sizeof(T) == 4 && !Op::kIndex && sizeof(typename Op::State) == 8 ? 32 : unroll_for<Op, T, P>();
+}
+
+// Whether unsplit rows of n elements go to row_warp_kernel: those one warp reads in one round.
+// Element-load plans (P == 1, rows that are not whole packs) keep rows up to kWarpRowMax there:
+// through blocks their 2- or 4-byte loads lost up to 65 % (16384x4095 bf16 logsumexp 71.1 ->
+// 116.9 µs, float32 argmax 96.7 -> 118.6).
+template <class Op, class T, int P>
+bool warp_rows(int64_t n) {
+  return P == 1 ? n <= kWarpRowMax : (n + P - 1) / P <= 32 * row_packs_per_thread<Op, T, P>();
+}
+
+// Threads of a row_block_kernel launch for chunks of `chunk` elements: the largest power of two
+// in [32, max_row_block_threads<T>()] that leaves each thread row_packs_per_thread packs. Below
+// 32768-element chunks float32 arg stops at 256 (4096x16384 with 512: 89.4 -> 90.2 µs, where sum
+// and max gained 0.6) and element loads keep 256.
+template <class Op, class T, int P>
+int row_block_threads(int64_t chunk) {
+  const int cap = chunk >= 32768 ? max_row_block_threads<T>() : 256;
+  if (P == 1) return cap;
+  const int64_t packs = (chunk + P - 1) / P, per_thread = row_packs_per_thread<Op, T, P>();
+  const int most = f32_arg8<Op, T, P>() ? cap : max_row_block_threads<T>();
+  int threads = 32;
+  while (threads < most && threads * 2 * per_thread <= packs) threads *= 2;
+  return threads;
+}
+
 // Independent accumulator states per thread (element j of a pack goes to slot j % slots).
 // Four break the per-element dependency chain (the arg ops' compare/select chain, the
 // logsumexp expf chain) without spending 2-byte types' 8 x 2 registers on arg states.
@@ -203,21 +243,23 @@ __device__ __forceinline__ typename Op::State fold_slots(typename Op::State (&ac
   return acc[0];
 }
 
-// The packed arg loop's shared-memory ring (arg16_stream_ring) in the row kernels (kRing): aligned
+// The packed arg loop's shared-memory ring (arg16_stream_ring) in row_block_kernel (kRing): aligned
 // 16-byte packs of 2-byte types on sm_90+ (arg16_path; the host asks with arg16_types, as it
-// cannot see the device's path), when every thread has at least kRingMinPacks packs. H100, session
+// cannot see the device's path), blocks of kBlockThreads with at least kRingMinPacks packs a
+// thread (chunks of >= 32768 elements). H100, session
 // 15 (runs 3-7, same-run A/B against the register loop, bf16 argmax, µs): 1024x65536 48.9 -> 47.0,
 // 64x2^20 52.7 -> 50.0, full 51.9 -> 50.1 with 4 stages (3 stages: 47.5 / 50.6 / 50.5; 2: 47.9 /
-// 51.0 / 50.8), 16384x4096 (a warp a row, 16 packs a lane) 48.8 -> 47.3; 4096x16384 (8 packs a
-// thread) 46.9 -> 47.7 through the ring, hence the minimum. The column kernel keeps the register
+// 51.0 / 50.8), 16384x4096 (a warp a row, 16 packs a lane) 48.8 -> 47.3, since session 16 blocks
+// of 64 threads with 8 packs each and no ring, 46.2; 4096x16384 (8 packs a thread) 46.9 -> 47.7
+// through the ring, hence the minimum. The column kernel keeps the register
 // loop: through a 2-stage ring (16 KB of fold states plus a 4-stage ring leave 2 blocks an SM)
 // argmax_cols moved 54.0 -> 53.6 (1048576x64), 54.5 -> 54.3 (262144x256), 52.5 -> 53.6 (16384x4096).
 constexpr int kRowRingStages = 4;
 constexpr int kRingMinPacks = 16;
 
 // Whether a row launch streams through the ring (a function of the plan): chunks of `chunk`
-// elements over `threads` threads (or a warp kernel's `group` lanes) of P-element packs, whose
-// count a thread still fits the ring's 32 bits.
+// elements over `threads` threads of P-element packs, whose count a thread still fits the ring's
+// 32 bits.
 constexpr bool ring_rows(int64_t chunk, int threads, int P) {
   const int64_t packs = chunk / (int64_t(threads) * P);
   return packs >= kRingMinPacks && packs < INT_MAX;
@@ -290,7 +332,7 @@ __device__ __forceinline__ void add_span_generic(typename Op::State& s, const T*
 // result is still one fixed function of the input (bit-deterministic). Each slot sees its
 // elements in increasing index order, as the arg ops' tie rule assumes of add().
 // 16-byte packs of bf16/f16 take the packed arg/logsumexp loops of reduce_fast16.cuh instead.
-// Idx is int where the span is known to fit (warp rows: n <= kWarpRowMax): fewer registers.
+// Idx is int where the span is known to fit (warp rows, warp_rows): fewer registers.
 // kRing (aligned x only): `ring` is this thread's first slot of a kRowRingStages-stage ring for
 // the packed arg loop (arg16_stream_ring; slot i at ring[i * kBlockThreads], blocks of
 // kBlockThreads threads); otherwise the register loop.
@@ -338,12 +380,10 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
 // 87.8 -> 47.3, argmax 119.1 -> 51.3 / 87.7 -> 48.0; float32 unchanged within 1 %; 4 lanes sat
 // in between). Group merges use xor shuffles with offsets < group, which stay inside the
 // aligned group of lanes.
-template <class Op, class T, int P, bool V, bool kRing = false>
+template <class Op, class T, int P, bool V>
 __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
     row_warp_kernel(const T* __restrict__ x, void* y, int64_t rows, int64_t n, int group) {
   cuda::enter_kernel();
-  extern __shared__ __align__(16) unsigned char smem_raw[];  // kRing: the ring (launch_row_kernel)
-  uint4* const ring = kRing ? reinterpret_cast<uint4*>(smem_raw) + threadIdx.x : nullptr;
   const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
   const int per_warp = 32 / group;
   for (int64_t row0 = (static_cast<int64_t>(blockIdx.x) * warps + threadIdx.x / 32) * per_warp; row0 < rows;
@@ -351,8 +391,7 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
     const int64_t row = row0 + lane / group;
     auto s = Op::identity();
     if (row < rows)
-      add_span<Op, T, P, V, int, warp_unroll<Op, T, P>(), kRing>(s, x + row * n, 0, static_cast<int>(n), lane % group,
-                                                                 group, ring);
+      add_span<Op, T, P, V, int, warp_unroll<Op, T, P>()>(s, x + row * n, 0, static_cast<int>(n), lane % group, group);
     for (int offset = group / 2; offset > 0; offset /= 2) s = Op::merge(s, cuda::shfl_xor(s, offset));
     if (lane % group == 0 && row < rows) emit<Op, T>(y, nullptr, row, s, n);
   }
@@ -507,28 +546,24 @@ cudaError_t merge_partials(const typename Op::State* ws, void* y, const Plan& p,
 template <class Op, class T, int P, bool V>
 cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan& p, cudaStream_t stream) {
   const int64_t n = p.reduced;
-  if (p.splits == 1 && n <= kWarpRowMax) {
+  if (p.splits == 1 && warp_rows<Op, T, P>(n)) {
     constexpr int kWarps = 8;
     const int64_t packs = (n + P - 1) / P;
     int group = 32;
     while (group > kMinRowLanes && static_cast<int64_t>(group) * warp_unroll<Op, T, P>() > packs) group /= 2;
     const int64_t rows_per_block = kWarps * (32 / group);
-    static_assert(kWarps * 32 == kBlockThreads, "the ring's slot stride");
-    // Only 4096-long rows take the ring (16 packs a lane).
-    return launch_row_kernel<row_warp_kernel<Op, T, P, V>, row_warp_kernel<Op, T, P, V, uses_ring<Op, T, P, V>()>>(
-        uses_ring<Op, T, P, V>() && ring_rows(n, group, P), grid_for((p.outer + rows_per_block - 1) / rows_per_block),
-        kWarps * 32, stream, x, y, p.outer, n, group);
+    return cuda::launch_kernel(row_warp_kernel<Op, T, P, V>, grid_for((p.outer + rows_per_block - 1) / rows_per_block),
+                               kWarps * 32, 0, stream, x, y, p.outer, n, group);
   }
   // Chunks are whole packs; chunk >= n / splits so `splits` chunks cover the row.
   int64_t chunk = (n + p.splits - 1) / p.splits;
   chunk = (chunk + P - 1) / P * P;
-  const int threads = chunk >= 32768 ? max_row_block_threads<T>() : 256;
-  static_assert(!uses_ring<Op, T, P, V>() || max_row_block_threads<T>() == kBlockThreads, "the ring's slot stride");
+  const int threads = row_block_threads<Op, T, P>(chunk);
   const bool split = p.splits > 1;
   if (cudaError_t err =
           launch_row_kernel<row_block_kernel<Op, T, P, V>, row_block_kernel<Op, T, P, V, uses_ring<Op, T, P, V>()>>(
-              uses_ring<Op, T, P, V>() && ring_rows(chunk, threads, P), grid_for(p.outer * p.splits), threads, stream,
-              x, y, split ? ws : nullptr, p.outer, n, p.splits, chunk);
+              uses_ring<Op, T, P, V>() && threads == kBlockThreads && ring_rows(chunk, threads, P),
+              grid_for(p.outer * p.splits), threads, stream, x, y, split ? ws : nullptr, p.outer, n, p.splits, chunk);
       err != cudaSuccess || !split)
     return err;
   return merge_partials<Op, T>(ws, y, p, stream);

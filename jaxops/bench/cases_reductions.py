@@ -1,7 +1,8 @@
 """Benchmark cases of the reduction family: each op against jnp / jax.nn under jit.
 
-Row reductions (last axis, rows of 1024 ... 2^20 elements, and the full reduction) and column
-reductions (leading axis of (R, C) for C = 64, 256, 4096) on 2^26 elements, as in the issue.
+Row reductions (last axis, rows of 1024 ... 2^20 elements, 8192 among them, and the full
+reduction) and column reductions (leading axis of (R, C) for C = 64, 256, 4096) on 2^26
+elements, as in the issue.
 Minimal bytes: the input read once plus the output written once. Ops are named "<op>" for row
 and full reductions (x = row length) and "<op>_cols" for column reductions (x = C).
 """
@@ -41,7 +42,7 @@ def _case(op: str, name: str, shape: tuple[int, ...], axis, dtype: str, x: float
 
 def cases(options: Options) -> list[Case]:
     total = 1 << 26 if options.gpu else 1 << 16
-    row_lengths = [1024, 4096, 16384, 65536, 1 << 20] if options.gpu else [1024, 4096]
+    row_lengths = [1024, 4096, 8192, 16384, 65536, 1 << 20] if options.gpu else [1024, 4096]
     col_widths = [64, 256, 4096]
     out: list[Case] = []
     for dtype in options.dtypes:
