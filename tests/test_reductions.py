@@ -135,10 +135,11 @@ def test_every_op_matches_reference(dtype, key):
             np.testing.assert_array_equal(np.asarray(got), ref, err_msg=f"{op} {shape} {arg_axis}")
 
 
-# Unsplit rows on the GPU (cc/reduce/reduce_kernels.cuh: warp_rows, row_block_threads): a warp
-# a row up to one round of loads, then blocks of 32 ... 512 threads by row length and op, and the
-# element-load plans of rows that are not whole 16-byte packs (4097, 12289).
-@pytest.mark.parametrize("n", [1024, 1028, 2048, 2056, 4096, 4097, 4100, 6000, 8192, 12289, 16384])
+# Rows on the GPU (cc/reduce/reduce_kernels.cuh: warp_rows, row_block_threads, add_row_span): a
+# warp a row up to one round of loads, then blocks of 32 ... 512 threads by row length and op;
+# rows that are not whole 16-byte packs (1021, 4097, 12289, 50257: split in 7) peel a head and a
+# tail element-wise around their packs.
+@pytest.mark.parametrize("n", [1021, 1024, 1028, 2048, 2056, 4096, 4097, 4100, 6000, 8192, 12289, 16384, 50257])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_row_lengths_across_thread_plans(n, dtype, key):
     skip_f64_without_x64(dtype)
@@ -587,7 +588,8 @@ def test_gpu_benchmark_shapes_bit_identical_and_accurate(shape, axis, dtype, key
 # Session 6 determinism check: the kernel plan must not depend on the operand's address (vector
 # loads vs the element loads of a misaligned base must not change a bit). Every process computes
 # the same inputs (fixed keys); the results are compared as bytes. Shapes reach every 16-byte-packed kernel: warp rows, block rows, split rows
-# and full (merge), unsplit and split columns, several column tiles.
+# and full (merge), unsplit and split columns, several column tiles, and rows that are not whole
+# packs (their head and tail are peeled at the same elements whatever the address).
 _PLAN_PROBE = r"""
 import sys
 import jax
@@ -597,10 +599,12 @@ import numpy as np
 import jaxops
 
 SHAPES = [((300, 1024), 1), ((64, 16384), 1), ((4, 1 << 20), 1), ((3 << 18,), None),
-          ((4096, 64), 0), ((1 << 16, 64), 0), ((2, 3000, 256), 1), ((512, 4096), 0)]
+          ((4096, 64), 0), ((1 << 16, 64), 0), ((2, 3000, 256), 1), ((512, 4096), 0),
+          ((300, 1021), 1), ((64, 16389), 1), ((8, 50257), 1)]
 if sys.argv[2] == "small":  # the CPU check of this script: same kinds of views, fewer elements
     SHAPES = [((30, 1024), 1), ((4, 16384), 1), ((2, 1 << 17), 1), ((3 << 14,), None),
-              ((256, 64), 0), ((4096, 64), 0), ((2, 300, 256), 1), ((64, 4096), 0)]
+              ((256, 64), 0), ((4096, 64), 0), ((2, 300, 256), 1), ((64, 4096), 0),
+              ((30, 1021), 1), ((4, 16389), 1), ((2, 50257), 1)]
 OPS = ["sum", "mean", "max", "min", "logsumexp", "argmax", "argmin"]
 out = {}
 for d, dtype in enumerate([jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64]):
@@ -644,4 +648,4 @@ def test_plan_probe_runs_on_cpu(tmp_path):
     if ON_GPU:
         pytest.skip("the GPU test runs it")
     got = _probe(tmp_path, "cpu", {}, "small")
-    assert len(got) == 4 * 8 * 7 and all(v.size > 0 for v in got.values())
+    assert len(got) == 4 * 11 * 7 and all(v.size > 0 for v in got.values())

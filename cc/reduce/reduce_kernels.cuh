@@ -33,7 +33,6 @@ using cuda::to_acc;
 
 constexpr int kMinRowLanes = 2;      // see row_warp_kernel
 constexpr int kBlockThreads = 256;   // column / merge kernels
-constexpr int kWarpRowMax = 4096;    // element-load rows up to this length go to row_warp_kernel
 constexpr int kMaxGrid = INT_MAX;
 
 template <class Op>
@@ -202,24 +201,19 @@ constexpr int row_packs_per_thread() {
 }
 
 // Whether unsplit rows of n elements go to row_warp_kernel: those one warp reads in one round.
-// Element-load plans (P == 1, rows that are not whole packs) keep rows up to kWarpRowMax there:
-// through blocks their 2- or 4-byte loads lost up to 65 % (16384x4095 bf16 logsumexp 71.1 ->
-// 116.9 µs, float32 argmax 96.7 -> 118.6).
 template <class Op, class T, int P>
 bool warp_rows(int64_t n) {
-  return P == 1 ? n <= kWarpRowMax : (n + P - 1) / P <= 32 * row_packs_per_thread<Op, T, P>();
+  return (n + P - 1) / P <= 32 * row_packs_per_thread<Op, T, P>();
 }
 
 // Threads of a row_block_kernel launch for chunks of `chunk` elements: the largest power of two
 // in [32, max_row_block_threads<T>()] that leaves each thread row_packs_per_thread packs. Below
 // 32768-element chunks float32 arg stops at 256 (4096x16384 with 512: 89.4 -> 90.2 µs, where sum
-// and max gained 0.6) and element loads keep 256.
+// and max gained 0.6).
 template <class Op, class T, int P>
 int row_block_threads(int64_t chunk) {
-  const int cap = chunk >= 32768 ? max_row_block_threads<T>() : 256;
-  if (P == 1) return cap;
   const int64_t packs = (chunk + P - 1) / P, per_thread = row_packs_per_thread<Op, T, P>();
-  const int most = f32_arg8<Op, T, P>() ? cap : max_row_block_threads<T>();
+  const int most = f32_arg8<Op, T, P>() && chunk < 32768 ? 256 : max_row_block_threads<T>();
   int threads = 32;
   while (threads < most && threads * 2 * per_thread <= packs) threads *= 2;
   return threads;
@@ -370,6 +364,43 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
   }
 }
 
+// Rows that are not whole packs (kPeel: n % P != 0, so row starts fall between packs): the
+// row span [begin, end) at logical offset `base` (= row * n) splits into a head up to the first
+// pack boundary of base + i, whole packs (vector loads), and a tail of < P elements. Boundaries
+// come from the logical offset, never the address, so a misaligned operand (V == false) peels the
+// same elements and gets the same bits. Until session 16 such rows took element loads (up to
+// 1.45x XLA's time: bf16 argmax 8192x8191 71.9 vs 49.7 µs; now 59.0). A thread's head and tail
+// elements are loaded before the packs and added after them. Still open: float32 argmax/argmin
+// on short odd rows runs ~10 % slower than the element loads did (16384x4095 96.7 -> 108.7 µs,
+// 8192x8191 97.9 -> 107.1, session 16 runs 9-10; the SASS keeps its 8 loads up front and a
+// wider tail changed nothing), while their split rows gained (64x1048575 117.0 -> 99.7). The ring
+// kernels (chunks >= 32768) add in order: holding the two elements there spilled. The arg ops
+// break ties by index in every add and merge, so the order is free.
+template <class Op, class T, int P, bool V, class Idx, int U, bool kRing, bool kPeel>
+__device__ __forceinline__ void add_row_span(typename Op::State& s, const T* xr, int64_t base, Idx begin, Idx end,
+                                             int t, int nthreads, uint4* ring = nullptr) {
+  if constexpr (!kPeel) {
+    add_span<Op, T, P, V, Idx, U, kRing>(s, xr, begin, end, t, nthreads, ring);
+  } else {
+    const Idx skip = static_cast<Idx>((P - (base + begin) % P) % P);
+    const Idx body = end - begin > skip ? begin + skip : end;
+    const Idx body_end = body + (end - body) / P * P;
+    const Idx h = begin + t, e = body_end + t;
+    if constexpr (kRing) {  // chunks of >= 32768: the latencies are amortised, registers are not
+      for (Idx i = h; i < body; i += nthreads) Op::add(s, to_acc(xr[i]), i);
+      if (body < body_end) add_span<Op, T, P, V, Idx, U, kRing>(s, xr, body, body_end, t, nthreads, ring);
+    } else {
+      const T hv = h < body ? xr[h] : T(), ev = e < end ? xr[e] : T();
+      if (body < body_end) add_span<Op, T, P, V, Idx, U, kRing>(s, xr, body, body_end, t, nthreads, ring);
+      if (h < body) Op::add(s, to_acc(hv), h);
+      if (e < end) Op::add(s, to_acc(ev), e);
+      // Groups narrower than the head or tail (warp rows of 2-4 lanes) take the rest in turn.
+      for (Idx i = h + nthreads; i < body; i += nthreads) Op::add(s, to_acc(xr[i]), i);
+    }
+    for (Idx i = kRing ? e : e + nthreads; i < end; i += nthreads) Op::add(s, to_acc(xr[i]), i);
+  }
+}
+
 // inner == 1, short rows: `group` lanes per row (a power of two, 2..32), 32 / group rows per
 // warp. Short rows get fewer lanes so each lane still has warp_unroll<Op, T, P>() packs in flight
 // (a 1024-long bf16 row is 128 packs: 16 lanes x 8, two rows per warp; a 128-long one 2 lanes x
@@ -380,7 +411,7 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
 // 87.8 -> 47.3, argmax 119.1 -> 51.3 / 87.7 -> 48.0; float32 unchanged within 1 %; 4 lanes sat
 // in between). Group merges use xor shuffles with offsets < group, which stay inside the
 // aligned group of lanes.
-template <class Op, class T, int P, bool V>
+template <class Op, class T, int P, bool V, bool kPeel = false>
 __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
     row_warp_kernel(const T* __restrict__ x, void* y, int64_t rows, int64_t n, int group) {
   cuda::enter_kernel();
@@ -391,7 +422,8 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
     const int64_t row = row0 + lane / group;
     auto s = Op::identity();
     if (row < rows)
-      add_span<Op, T, P, V, int, warp_unroll<Op, T, P>()>(s, x + row * n, 0, static_cast<int>(n), lane % group, group);
+      add_row_span<Op, T, P, V, int, warp_unroll<Op, T, P>(), false, kPeel>(s, x + row * n, row * n, 0,
+                                                                            static_cast<int>(n), lane % group, group);
     for (int offset = group / 2; offset > 0; offset /= 2) s = Op::merge(s, cuda::shfl_xor(s, offset));
     if (lane % group == 0 && row < rows) emit<Op, T>(y, nullptr, row, s, n);
   }
@@ -400,7 +432,7 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
 // inner == 1: block b = row * splits + split reduces x[row, split*chunk : (split+1)*chunk].
 // With ws it writes the partial state ws[b] (merged by merge_kernel); otherwise (splits == 1)
 // the finished y[row].
-template <class Op, class T, int P, bool V, bool kRing = false>
+template <class Op, class T, int P, bool V, bool kRing = false, bool kPeel = false>
 __global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, P, V>(max_row_block_threads<T>()))
     row_block_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t rows, int64_t n,
                      int64_t splits, int64_t chunk) {
@@ -413,8 +445,8 @@ __global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, 
     const int64_t end = begin + chunk < n ? begin + chunk : n;
     auto s = Op::identity();
     if (begin < end)
-      add_span<Op, T, P, V, int64_t, unroll_for<Op, T, P>(), kRing>(s, x + row * n, begin, end, threadIdx.x, blockDim.x,
-                                                                     ring);
+      add_row_span<Op, T, P, V, int64_t, unroll_for<Op, T, P>(), kRing, kPeel>(s, x + row * n, row * n, begin, end,
+                                                                                threadIdx.x, blockDim.x, ring);
     s = block_merge<Op>(s);
     if (threadIdx.x == 0) emit<Op, T>(y, ws, b, s, n);
   }
@@ -543,7 +575,7 @@ cudaError_t merge_partials(const typename Op::State* ws, void* y, const Plan& p,
       p.splits, p.inner, tiles, p.reduced);
 }
 
-template <class Op, class T, int P, bool V>
+template <class Op, class T, int P, bool V, bool kPeel>
 cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan& p, cudaStream_t stream) {
   const int64_t n = p.reduced;
   if (p.splits == 1 && warp_rows<Op, T, P>(n)) {
@@ -552,18 +584,20 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
     int group = 32;
     while (group > kMinRowLanes && static_cast<int64_t>(group) * warp_unroll<Op, T, P>() > packs) group /= 2;
     const int64_t rows_per_block = kWarps * (32 / group);
-    return cuda::launch_kernel(row_warp_kernel<Op, T, P, V>, grid_for((p.outer + rows_per_block - 1) / rows_per_block),
-                               kWarps * 32, 0, stream, x, y, p.outer, n, group);
+    return cuda::launch_kernel(row_warp_kernel<Op, T, P, V, kPeel>,
+                               grid_for((p.outer + rows_per_block - 1) / rows_per_block), kWarps * 32, 0, stream, x, y,
+                               p.outer, n, group);
   }
   // Chunks are whole packs; chunk >= n / splits so `splits` chunks cover the row.
   int64_t chunk = (n + p.splits - 1) / p.splits;
   chunk = (chunk + P - 1) / P * P;
   const int threads = row_block_threads<Op, T, P>(chunk);
   const bool split = p.splits > 1;
-  if (cudaError_t err =
-          launch_row_kernel<row_block_kernel<Op, T, P, V>, row_block_kernel<Op, T, P, V, uses_ring<Op, T, P, V>()>>(
-              uses_ring<Op, T, P, V>() && threads == kBlockThreads && ring_rows(chunk, threads, P),
-              grid_for(p.outer * p.splits), threads, stream, x, y, split ? ws : nullptr, p.outer, n, p.splits, chunk);
+  constexpr bool kRing = uses_ring<Op, T, P, V>();
+  if (cudaError_t err = launch_row_kernel<row_block_kernel<Op, T, P, V, false, kPeel>,
+                                          row_block_kernel<Op, T, P, V, kRing, kPeel>>(
+          kRing && threads == kBlockThreads && ring_rows(chunk, threads, P), grid_for(p.outer * p.splits), threads,
+          stream, x, y, split ? ws : nullptr, p.outer, n, p.splits, chunk);
       err != cudaSuccess || !split)
     return err;
   return merge_partials<Op, T>(ws, y, p, stream);
@@ -584,8 +618,13 @@ cudaError_t launch_columns(const T* x, void* y, typename Op::State* ws, const Pl
 
 template <class Op, class T, int P, bool V>
 cudaError_t launch_view(const T* x, typename Op::State* ws, const Plan& p, cudaStream_t stream) {
-  return p.inner == 1 ? launch_rows<Op, T, P, V>(x, p.y, ws, p, stream)
-                      : launch_columns<Op, T, P, V>(x, p.y, ws, p, stream);
+  if constexpr (P == 1) {  // columns whose width is not whole packs; rows always take packs
+    return launch_columns<Op, T, P, V>(x, p.y, ws, p, stream);
+  } else {
+    if (p.inner > 1) return launch_columns<Op, T, P, V>(x, p.y, ws, p, stream);
+    return p.reduced % P != 0 ? launch_rows<Op, T, P, V, true>(x, p.y, ws, p, stream)
+                              : launch_rows<Op, T, P, V, false>(x, p.y, ws, p, stream);
+  }
 }
 
 // Test hook: JAXOPS_REDUCE_ELEMENT_LOADS=1 runs 16-byte-packed plans with element loads even on
@@ -599,7 +638,7 @@ inline bool force_element_loads() {
   return on;
 }
 
-// Picks the kernel for one (Op, T). Packs are 16 bytes when the contiguous extent is a
+// Picks the kernel for one (Op, T). Packs are 16 bytes for rows and for columns whose width is a
 // multiple of 16 bytes (a function of the shape only), otherwise single elements (no
 // intermediate widths: fewer kernels). The base pointer's alignment picks only the load
 // instruction (V): a 16-byte-packed plan on a misaligned operand runs the same tiles and
@@ -612,8 +651,9 @@ cudaError_t launch(const Plan& p, cudaStream_t stream) {
   constexpr int kPack = 16 / sizeof(T);
   const T* x = static_cast<const T*>(p.x);
   S* ws = static_cast<S*>(p.ws);
-  const int64_t contiguous = p.inner == 1 ? p.reduced : p.inner;
-  if (contiguous % kPack != 0) return launch_view<Op, T, 1, true>(x, ws, p, stream);
+  // Rows always take 16-byte packs (rows that are not whole packs peel a head and a tail each:
+  // add_row_span); columns whose width is not whole packs take elements.
+  if (p.inner > 1 && p.inner % kPack != 0) return launch_view<Op, T, 1, true>(x, ws, p, stream);
   if (reinterpret_cast<uintptr_t>(x) % 16 == 0 && !force_element_loads())
     return launch_view<Op, T, kPack, true>(x, ws, p, stream);
   return launch_view<Op, T, kPack, false>(x, ws, p, stream);
