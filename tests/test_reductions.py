@@ -155,6 +155,29 @@ def test_row_lengths_across_thread_plans(n, dtype, key):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(REF[op](xt, axis=1)), err_msg=f"{op} {n}")
 
 
+# Rows that peel a head and a tail fall a pack short of whole rounds of loads, so on the GPU a
+# thread's last round is partial (reduce_kernels.cuh: add_row_span, add_span_generic;
+# reduce_fast16.cuh: arg16_stream): ties (first index), NaN (the first) and all -inf there.
+@pytest.mark.parametrize("n", [1021, 4095, 8191, 12289])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_arg_peeled_rows_ties_and_nan_in_the_last_round(n, dtype, key):
+    rng = _rng(key)
+    rows = np.round(2 * rng.standard_normal((12, n)))
+    rows[0] = 1.0                                 # ties everywhere: index 0
+    rows[1] = -np.inf                             # argmax and argmin both 0
+    for r, tail in ((2, 1), (3, 5), (4, 9), (5, 520)):  # the best value twice, late in the row
+        rows[r, n - tail] = rows[r, n - tail - 2] = 50.0
+        rows[r, n - tail - 1] = -50.0
+    for r, at in ((6, n - 1), (7, n - 4), (8, n - 600)):  # a NaN late, another later still
+        rows[r, at] = np.nan
+        rows[r, min(at + 1, n - 1)] = np.nan
+    rows[9, rng.integers(0, n, 3)] = np.nan      # NaNs anywhere
+    x = jnp.asarray(rows.astype(np.float32).astype(dtype))
+    got = jax.jit(lambda v: [getattr(jaxops, op)(v, 1) for op in ARG_OPS])(x)
+    for op, g in zip(ARG_OPS, got):
+        np.testing.assert_array_equal(np.asarray(g), _np_ref(op, _f64(x), 1), err_msg=f"{op} {n}")
+
+
 @pytest.mark.parametrize("shape,axis", [((6, 9), 1), ((9, 6), 0), ((5, 3000), 1), ((3, 70000), 1),
                                         ((3000, 5), 0), ((40000,), None)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -370,7 +370,9 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
 // come from the logical offset, never the address, so a misaligned operand (V == false) peels the
 // same elements and gets the same bits. Until session 16 such rows took element loads (up to
 // 1.45x XLA's time: bf16 argmax 8192x8191 71.9 vs 49.7 µs; now 59.0). A thread's head and tail
-// elements are loaded before the packs and added after them. Still open: float32 argmax/argmin
+// elements are loaded before the packs and added after them, so their latency hides behind the
+// packs' (bf16 argmax 16384x4095 60.7 -> 57.0 µs, 8192x8191 63.7 -> 59.0 against loading them
+// in turn; float32 unchanged within noise; session 16 runs 9-10). Still open: float32 argmax/argmin
 // on short odd rows runs ~10 % slower than the element loads did (16384x4095 96.7 -> 108.7 µs,
 // 8192x8191 97.9 -> 107.1, session 16 runs 9-10; the SASS keeps its 8 loads up front and a
 // wider tail changed nothing), while their split rows gained (64x1048575 117.0 -> 99.7). The ring
