@@ -3,7 +3,7 @@
 #include <cstdlib>
 
 #include "layer_norm/layer_norm_cuda.h"
-#include "layer_norm/layer_norm_kernels.cuh"
+#include "layer_norm/layer_norm_bwd_kernels.cuh"
 #include "layer_norm/layer_norm_launch.cuh"
 #include "layer_norm/layer_norm_lean_bwd.cuh"
 

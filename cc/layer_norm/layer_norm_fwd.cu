@@ -2,7 +2,7 @@
 #include <algorithm>
 
 #include "layer_norm/layer_norm_cuda.h"
-#include "layer_norm/layer_norm_kernels.cuh"
+#include "layer_norm/layer_norm_fwd_kernels.cuh"
 #include "layer_norm/layer_norm_launch.cuh"
 #include "layer_norm/layer_norm_lean.cuh"
 #include "layer_norm/layer_norm_lean_block.cuh"

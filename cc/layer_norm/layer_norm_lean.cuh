@@ -14,7 +14,7 @@
 //  - the row shift (first element) comes from lane 0's registers by one shuffle, not a load;
 //  - rms_norm is a separate instantiation of the body (kRms): no shift, no mean pass, no bias.
 #pragma once
-#include "layer_norm/layer_norm_kernels.cuh"
+#include "layer_norm/layer_norm_fwd_kernels.cuh"
 
 namespace jaxops::layer_norm {
 

@@ -17,7 +17,7 @@
 // Column sums keep the fixed per-slot order (rows of the slot in order, then reduce_slots), so
 // dscale / dbias stay bit-reproducible.
 #pragma once
-#include "layer_norm/layer_norm_kernels.cuh"
+#include "layer_norm/layer_norm_bwd_kernels.cuh"
 #include "layer_norm/layer_norm_lean.cuh"
 
 namespace jaxops::layer_norm {

@@ -1,4 +1,4 @@
-// Launchers of the CUDA softmax kernels (host-callable; kernels live in softmax.cu).
+// Launchers of the CUDA softmax kernels (host-callable; dispatch in softmax.cu, kernels in softmax_*.cuh).
 #pragma once
 #include <cuda_runtime_api.h>
 

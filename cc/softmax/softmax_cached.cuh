@@ -1,0 +1,364 @@
+// Softmax cached path: a block, or a thread-block cluster, caches its slice of each row in shared
+// memory (forward and backward kernels; the host plan is in softmax.cu).
+#pragma once
+#include <cstdint>
+
+#include <cuda_pipeline.h>
+
+#include "common/cluster.cuh"
+#include "softmax/softmax_common.cuh"
+
+namespace jaxops::softmax {
+
+// Cached path: the cluster's blocks split each row into slices of `slice` columns; each thread
+// only ever touches its own packs of the shared-memory cache, so the cache needs no barriers.
+
+// 16-byte packs can be copied global -> shared asynchronously (cp.async, sm_80+).
+template <class T, int P>
+constexpr bool kAsyncPack = sizeof(Pack<T, P>) == 16;
+
+// Requests this thread's packs of an unmasked slice into the cache, asynchronously: the whole
+// slice is in flight at once and holds no registers.
+template <class T, int P>
+__device__ __forceinline__ void request_slice_async(const T* __restrict__ src, T* cache, unsigned npacks) {
+  static_assert(kAsyncPack<T, P>, "cp.async copies 16-byte packs");
+  for (unsigned i = threadIdx.x; i < npacks; i += blockDim.x)
+    __pipeline_memcpy_async(cache + i * P, src + i * P, sizeof(Pack<T, P>));
+  __pipeline_commit();
+}
+
+// Waits for this thread's requested packs and returns their max. Each thread reads back only
+// the packs it requested itself, so no barrier is needed.
+template <class T, int P>
+__device__ __forceinline__ acc_t<T> max_of_requested(const T* cache, unsigned npacks) {
+  using A = acc_t<T>;
+  __pipeline_wait_prior(0);
+  A m = neg_inf<A>();
+#pragma unroll 4
+  for (unsigned i = threadIdx.x; i < npacks; i += blockDim.x)
+    m = pack_max<T, P>(m, load_pack<T, P>(cache + i * P));
+  return m;
+}
+
+// Same through registers, kUnroll loads in flight a thread; masked entries are cached as -inf.
+template <class T, int P>
+__device__ __forceinline__ acc_t<T> cache_slice(const T* __restrict__ src, const bool* __restrict__ mask,
+                                                T* cache, unsigned npacks) {
+  using A = acc_t<T>;
+  A m = neg_inf<A>();
+  for (unsigned i0 = threadIdx.x; i0 < npacks; i0 += kUnroll * blockDim.x) {
+    Pack<T, P> pk[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const unsigned i = i0 + u * blockDim.x;
+      if (i < npacks) pk[u] = load_pack<T, P>(src + i * P);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const unsigned i = i0 + u * blockDim.x;
+      if (i < npacks) {
+        if (mask) {
+          const Pack<bool, P> mk = load_pack<bool, P>(mask + i * P);
+#pragma unroll
+          for (int p = 0; p < P; ++p)
+            if (!mk.v[p]) pk[u].v[p] = from_acc<T>(neg_inf<A>());
+        }
+        m = pack_max<T, P>(m, pk[u]);
+        store_pack<T, P>(cache + i * P, pk[u]);
+      }
+    }
+  }
+  return m;
+}
+
+// kMaskable = false compiles the unmasked kernel alone (mask_arg is ignored): without the
+// register-staged masked load path it needs far fewer registers, so more blocks (rows) fit an SM
+// where shared memory allows (16-byte packs only: every unmasked row then takes cp.async).
+// kPairStats: each thread sums exp over its own packs at its own max, and one (max, sum) reduction
+// (MaxSumOp) gives the row's statistics, so the blocks of a cluster meet once a row; otherwise the
+// row max is reduced first, then the sum of exp at that max (two block and cluster reductions),
+// and softmax's output pass scales the exp cached by the sum pass instead of recomputing it.
+// Which one wins depends on the cluster size (kPairStatsMinCluster).
+//
+// The cache is aligned to 128 bytes, and every extern __shared__ declaration in this file must say
+// so (nvcc keeps one alignment for the shared symbol): the dynamic region starts after the static
+// shared memory, and when that left it 16 bytes off a 32-byte boundary (304 bytes of statics,
+// session 12) every cached forward ran ~10 % slower (H100, f32 16384x4096 179.6 -> 198.6 us),
+// the cp.async fills landing across shared-memory sectors.
+template <class T, int P, bool kMaskable, bool kPairStats>
+__global__ void __launch_bounds__(1024)
+forward_cached(const T* __restrict__ x, const bool* __restrict__ mask_arg, T* __restrict__ y, int64_t rows,
+               int64_t cols, int64_t slice, bool log) {
+  cuda::enter_kernel();
+  static_assert(kMaskable || kAsyncPack<T, P>, "the unmaskable kernel copies 16-byte packs");
+  using A = acc_t<T>;
+  using Stat = std::conditional_t<kPairStats, MaxSum<A>, A>;
+  const bool* const mask = kMaskable ? mask_arg : nullptr;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* cache = reinterpret_cast<T*>(smem);
+  __shared__ Stat scratch[33];
+  __shared__ Stat slots[2], bcast[2];
+  const unsigned nblocks = cluster_blocks(), rank = cluster_rank();
+  const int64_t begin = int64_t(rank) * slice;
+  // A slice fits one block's shared memory, so the cache loops index packs in 32 bits, unsigned:
+  // a global address is then one IMAD.WIDE.U32 off the row base (no sign extension per pack).
+  const unsigned npacks = begin < cols ? unsigned((std::min(cols, begin + slice) - begin) / P) : 0;
+  // Unmasked 16-byte packs in a persistent grid (long rows; see unmasked_cached_grid): each
+  // thread requests its packs of the block's next row right after writing its output for them
+  // (it owns those cache entries, so no barrier), so the next row's loads are in flight during
+  // this row's output pass. Without it all blocks of the persistent grid load, reduce and write
+  // in step, and DRAM idles while they all reduce. With one block per row it never fires.
+  const bool async = kAsyncPack<T, P> && mask == nullptr;
+  const int64_t stride = gridDim.x / nblocks;
+  bool requested = false;  // this row's packs already requested during the previous row
+  [[maybe_unused]] int parity = 0;  // kPairStats: one cluster reduction a row, alternating slots
+  for (int64_t row = blockIdx.x / nblocks; row < rows; row += stride) {
+    const int64_t off = row * cols + begin;
+    A m;
+    if constexpr (kAsyncPack<T, P>) {
+      if (async) {
+        if (!requested) request_slice_async<T, P>(x + off, cache, npacks);
+        m = max_of_requested<T, P>(cache, npacks);
+      } else {
+        m = cache_slice<T, P>(x + off, mask + off, cache, npacks);
+      }
+    } else {
+      m = cache_slice<T, P>(x + off, mask ? mask + off : nullptr, cache, npacks);
+    }
+    A s = 0;
+    if constexpr (kPairStats) {
+      const ExpShift<T> thread_ex(sum_shift(m));
+      for (unsigned i = threadIdx.x; i < npacks; i += blockDim.x) {
+        A v[P];
+        unpack<T, P>(load_pack<T, P>(cache + i * P), v);
+#pragma unroll
+        for (int p = 0; p < P; ++p) s += thread_ex(v[p]);
+      }
+      MaxSum<A> ms = block_reduce<MaxSumOp>(MaxSum<A>{m, s}, scratch);
+      ms = cluster_allreduce<MaxSumOp>(ms, &slots[parity], &bcast[parity]);
+      parity ^= 1;
+      m = ms.max;
+      s = ms.sum;
+    } else {
+      m = block_reduce<MaxNanOp>(m, scratch);
+      m = cluster_allreduce<MaxNanOp>(m, &slots[0], &bcast[0]);
+      const ExpShift<T> ex(m);
+      for (unsigned i = threadIdx.x; i < npacks; i += blockDim.x) {
+        A v[P];
+        unpack<T, P>(load_pack<T, P>(cache + i * P), v);
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          v[p] = ex(v[p]);
+          s += v[p];
+        }
+        if (!log) store_pack<T, P>(cache + i * P, repack<T, P>(v));
+      }
+      s = block_reduce<SumOp>(s, scratch);
+      s = cluster_allreduce<SumOp>(s, &slots[1], &bcast[1]);
+    }
+    const RowStats<A> st(m, s, log);
+    const ExpShift<T> ex(m);
+    const bool prefetch = async && row + stride < rows;
+    const T* next = prefetch ? x + (row + stride) * cols + begin : x;
+    T* const out = y + off;  // pack addresses: one IMAD.WIDE.U32 off this base
+    // One loop per output kind, so the loop body carries no branch on `log`.
+    const auto output_pass = [&](auto log_kind) {
+      constexpr bool kLog = decltype(log_kind)::value;
+      for (unsigned i = threadIdx.x; i < npacks; i += blockDim.x) {
+        A v[P];
+        unpack<T, P>(load_pack<T, P>(cache + i * P), v);
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          if constexpr (kLog) {
+            v[p] = st.out(v[p], true);
+          } else {
+            v[p] = (kPairStats ? ex(v[p]) : v[p]) * st.inv_sum;  // else the cache holds the exp
+          }
+        }
+        if (mask) {
+          const Pack<bool, P> mk = load_pack<bool, P>(mask + off + i * P);
+#pragma unroll
+          for (int p = 0; p < P; ++p)
+            if (!mk.v[p]) v[p] = masked_out<A>(kLog);
+        }
+        store_pack<T, P>(out + i * P, repack<T, P>(v));
+        // The entry was read above by this thread alone: it may now be overwritten.
+        if constexpr (kAsyncPack<T, P>) {
+          if (prefetch) __pipeline_memcpy_async(cache + i * P, next + i * P, sizeof(Pack<T, P>));
+        }
+      }
+    };
+    if (log) {
+      output_pass(std::true_type{});
+    } else {
+      output_pass(std::false_type{});
+    }
+    if constexpr (kAsyncPack<T, P>) {
+      if (prefetch) __pipeline_commit();
+    }
+    requested = prefetch;
+  }
+  if (nblocks > 1) cluster_sync();  // peers may still read this block's slots
+}
+
+template <class T, int P>
+__global__ void __launch_bounds__(1024)
+backward_cached(const T* __restrict__ y, const T* __restrict__ dy, const bool* __restrict__ mask,
+                T* __restrict__ dx, int64_t rows, int64_t cols, int64_t slice, bool log) {
+  cuda::enter_kernel();
+  using A = acc_t<T>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* cache_y = reinterpret_cast<T*>(smem);
+  T* cache_g = cache_y + slice;
+  __shared__ A scratch[33];
+  __shared__ A slots[2], bcast[2];
+  const unsigned nblocks = cluster_blocks(), rank = cluster_rank();
+  const int64_t begin = int64_t(rank) * slice;
+  const int64_t npacks = begin < cols ? (std::min(cols, begin + slice) - begin) / P : 0;
+  int parity = 0;
+  for (int64_t row = blockIdx.x / nblocks; row < rows; row += gridDim.x / nblocks, parity ^= 1) {
+    const int64_t off = row * cols + begin;
+    A s = 0;
+    // Two inputs a pack: half the unroll keeps the loads in registers for 2-byte types.
+    constexpr int U = sizeof(T) == 2 ? kUnroll / 2 : kUnroll;
+    for (int64_t i0 = threadIdx.x; i0 < npacks; i0 += U * blockDim.x) {
+      Pack<T, P> py[U], pg[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t i = i0 + u * blockDim.x;
+        if (i < npacks) {
+          py[u] = load_pack<T, P>(y + off + i * P);
+          pg[u] = load_pack<T, P>(dy + off + i * P);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t i = i0 + u * blockDim.x;
+        if (i < npacks) {
+          if (mask) {
+            const Pack<bool, P> mk = load_pack<bool, P>(mask + off + i * P);
+#pragma unroll
+            for (int p = 0; p < P; ++p)
+              if (!mk.v[p]) pg[u].v[p] = from_acc<T>(A(0));
+          }
+#pragma unroll
+          for (int p = 0; p < P; ++p) {
+            const A g = to_acc(pg[u].v[p]);
+            s += log ? g : to_acc(py[u].v[p]) * g;
+          }
+          store_pack<T, P>(cache_y + i * P, py[u]);
+          store_pack<T, P>(cache_g + i * P, pg[u]);
+        }
+      }
+    }
+    s = block_reduce<SumOp>(s, scratch);
+    // One reduction per row: alternate slots so a fast block never overwrites a slot a peer
+    // has yet to read.
+    s = cluster_allreduce<SumOp>(s, &slots[parity], &bcast[parity]);
+    for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
+      const Pack<T, P> py = load_pack<T, P>(cache_y + i * P);
+      const Pack<T, P> pg = load_pack<T, P>(cache_g + i * P);
+      Pack<T, P> out;
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        const A yy = to_acc(py.v[p]), g = to_acc(pg.v[p]);
+        out.v[p] = from_acc<T>(log ? g - fast_exp(yy) * s : yy * (g - s));
+      }
+      if (mask && log) {
+        const Pack<bool, P> mk = load_pack<bool, P>(mask + off + i * P);
+#pragma unroll
+        for (int p = 0; p < P; ++p)
+          if (!mk.v[p]) out.v[p] = from_acc<T>(A(0));
+      }
+      store_pack<T, P>(dx + off + i * P, out);
+    }
+  }
+  if (nblocks > 1) cluster_sync();
+}
+
+// The unmasked backward for 16-byte packs on a persistent grid (long rows, clusters), built like
+// the lean forward: each thread requests its packs of y and dy by cp.async (the whole slice in
+// flight, no registers held), sums from the cache, and after writing its dx pack i requests
+// pack i of the block's next row into the same two entries (it alone reads and writes them, so
+// no barrier). With prefetch_bytes > 0 (one block per SM only, see l2_prefetch_bytes) L2 also
+// fetches the head of the next row (prefetch_bytes per array) from the moment this row has
+// arrived, so DRAM keeps working while every block of the grid reduces. Session 6 (H100, without
+// the prefetch): bf16 backward 153 -> 142 us, float32 at several blocks per SM within 1-3 %.
+// Session 5: the register-staged kernel above loaded, reduced and wrote in step at one block per
+// SM (f32 256x262144: 0.79 of the 3-pass bound) and was issue-heavy for bf16 (0.87).
+template <class T, int P>
+__global__ void __launch_bounds__(1024)
+backward_cached_lean(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx, int64_t rows,
+                     int64_t cols, int64_t slice, unsigned prefetch_bytes, bool log) {
+  cuda::enter_kernel();
+  static_assert(kAsyncPack<T, P>, "the lean backward copies 16-byte packs");
+  using A = acc_t<T>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* cache_y = reinterpret_cast<T*>(smem);
+  T* cache_g = cache_y + slice;
+  __shared__ A scratch[33];
+  __shared__ A slots[2], bcast[2];
+  const unsigned nblocks = cluster_blocks(), rank = cluster_rank();
+  const int64_t begin = int64_t(rank) * slice;
+  const unsigned npacks = begin < cols ? unsigned((std::min(cols, begin + slice) - begin) / P) : 0;
+  const unsigned l2_bytes = std::min<unsigned>(prefetch_bytes, npacks * unsigned(sizeof(Pack<T, P>)));
+  const int64_t stride = gridDim.x / nblocks;
+  bool requested = false;  // this row's packs already requested during the previous row
+  int parity = 0;          // one cluster reduction a row: alternate its slots
+  for (int64_t row = blockIdx.x / nblocks; row < rows; row += stride, parity ^= 1) {
+    const int64_t off = row * cols + begin;
+    if (!requested) {
+      request_slice_async<T, P>(y + off, cache_y, npacks);
+      request_slice_async<T, P>(dy + off, cache_g, npacks);
+    }
+    __pipeline_wait_prior(0);
+    const bool has_next = row + stride < rows;
+    const int64_t next_off = off + stride * cols;
+    if (l2_bytes && has_next) {
+      prefetch_l2(y + next_off, l2_bytes);
+      prefetch_l2(dy + next_off, l2_bytes);
+    }
+    A s = 0;
+#pragma unroll 4
+    for (unsigned i = threadIdx.x; i < npacks; i += blockDim.x) {
+      A yv[P], gv[P];
+      unpack<T, P>(load_pack<T, P>(cache_y + i * P), yv);
+      unpack<T, P>(load_pack<T, P>(cache_g + i * P), gv);
+#pragma unroll
+      for (int p = 0; p < P; ++p) s = log ? s + gv[p] : fmaf(yv[p], gv[p], s);
+    }
+    s = block_reduce<SumOp>(s, scratch);
+    s = cluster_allreduce<SumOp>(s, &slots[parity], &bcast[parity]);
+    T* const out = dx + off;
+    const T* const next_y = has_next ? y + next_off : y;
+    const T* const next_g = has_next ? dy + next_off : dy;
+    // One loop per output kind, so the loop body carries no branch on `log`.
+    const auto output_pass = [&](auto log_kind) {
+      constexpr bool kLog = decltype(log_kind)::value;
+      for (unsigned i = threadIdx.x; i < npacks; i += blockDim.x) {
+        A yv[P], gv[P];
+        unpack<T, P>(load_pack<T, P>(cache_y + i * P), yv);
+        unpack<T, P>(load_pack<T, P>(cache_g + i * P), gv);
+#pragma unroll
+        for (int p = 0; p < P; ++p)
+          yv[p] = kLog ? fmaf(-exp2_ftz(yv[p] * kLog2e), s, gv[p]) : yv[p] * (gv[p] - s);
+        store_pack<T, P>(out + i * P, repack<T, P>(yv));
+        // Both entries were read above by this thread alone: they may now be overwritten.
+        if (has_next) {
+          __pipeline_memcpy_async(cache_y + i * P, next_y + i * P, sizeof(Pack<T, P>));
+          __pipeline_memcpy_async(cache_g + i * P, next_g + i * P, sizeof(Pack<T, P>));
+        }
+      }
+    };
+    if (log) {
+      output_pass(std::true_type{});
+    } else {
+      output_pass(std::false_type{});
+    }
+    if (has_next) __pipeline_commit();
+    requested = has_next;
+  }
+  if (nblocks > 1) cluster_sync();  // peers may still read this block's slots
+}
+
+}  // namespace jaxops::softmax
