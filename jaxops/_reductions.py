@@ -35,7 +35,7 @@ _LIGHT_ROW_OPS = ("sum", "mean", "max", "min")  # and 16-bit logsumexp: see _spl
 _EMPTY = {"sum": 0.0, "mean": float("nan"), "logsumexp": -float("inf")}
 
 # Launch plan constants. Rows up to this length are never split (a warp or a block a row,
-# cc/reduce/reduce_kernels.cuh decides); longer ones may be cut into chunks whose partial states
+# cc/reduce/reduce_plan.cuh decides); longer ones may be cut into chunks whose partial states
 # a second kernel (merge_kernel) merges in a fixed order. See _splits for how many chunks.
 _WARP_ROW_MAX = 4096
 _TARGET_BLOCKS = 1024     # split rows/full (and float64 columns): about this many blocks
@@ -48,7 +48,7 @@ _PLAN_SMS = 132           # H100 SMs: a constant of the plan, so results never d
 
 def _wave_blocks(itemsize: int, rows: bool) -> int:
     """Blocks of a split launch that are resident at once on an H100 under the kernels' launch
-    bounds (cc/reduce/reduce_kernels.cuh: min_blocks): 256-thread blocks, >= 3 per SM for every
+    bounds (cc/reduce/reduce_plan.cuh: min_blocks): 256-thread blocks, >= 3 per SM for every
     2- and 4-byte kernel; float32 split rows use 512-thread blocks, >= 2 per SM."""
     per_sm = 2 if (rows and itemsize == 4) else 3
     return per_sm * _PLAN_SMS
@@ -173,7 +173,7 @@ def _next_pow2(v: int, cap: int) -> int:
 
 def _splits(outer: int, n: int, inner: int, itemsize: int, fn: str = "sum") -> int:
     """How many chunks the reduced axis is cut into (a fixed function of the shape, dtype size and
-    op, so results do not depend on the device); mirrors the block shapes of reduce_kernels.cuh.
+    op, so results do not depend on the device); mirrors the block shapes of reduce_plan.cuh.
 
     Columns (2- and 4-byte types): one resident H100 wave of blocks (_wave_blocks), ~80+ rows a
     thread, so the per-block fixed costs (first-load latency, the fold) are paid rarely and no

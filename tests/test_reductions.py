@@ -135,8 +135,9 @@ def test_every_op_matches_reference(dtype, key):
             np.testing.assert_array_equal(np.asarray(got), ref, err_msg=f"{op} {shape} {arg_axis}")
 
 
-# Rows on the GPU (cc/reduce/reduce_kernels.cuh: warp_rows, row_block_threads, add_row_span): a
-# warp a row up to one round of loads, then blocks of 32 ... 512 threads by row length and op;
+# Rows on the GPU (cc/reduce/reduce_plan.cuh: warp_rows, row_block_threads; reduce_spans.cuh:
+# add_row_span): a warp a row up to one round of loads, then blocks of 32 ... 512 threads by row
+# length and op;
 # rows that are not whole 16-byte packs (1021, 4097, 12289, 50257: split in 7) peel a head and a
 # tail element-wise around their packs.
 @pytest.mark.parametrize("n", [1021, 1024, 1028, 2048, 2056, 4096, 4097, 4100, 6000, 8192, 12289, 16384, 50257])
@@ -156,7 +157,7 @@ def test_row_lengths_across_thread_plans(n, dtype, key):
 
 
 # Rows that peel a head and a tail fall a pack short of whole rounds of loads, so on the GPU a
-# thread's last round is partial (reduce_kernels.cuh: add_row_span, add_span_generic;
+# thread's last round is partial (reduce_spans.cuh: add_row_span, add_span_generic;
 # reduce_fast16.cuh: arg16_stream): ties (first index), NaN (the first) and all -inf there.
 @pytest.mark.parametrize("n", [1021, 4095, 8191, 12289])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)

@@ -1,5 +1,5 @@
 // argmax and argmin kernels.
-#include "reduce/reduce_kernels.cuh"
+#include "reduce/reduce_launch.cuh"
 
 namespace jaxops::reduce {
 template <class A> using ArgMax = ArgOp<A, true>;

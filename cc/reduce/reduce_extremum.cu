@@ -1,5 +1,5 @@
 // max and min kernels.
-#include "reduce/reduce_kernels.cuh"
+#include "reduce/reduce_launch.cuh"
 
 namespace jaxops::reduce {
 template <class A> using Max = ExtremumOp<A, true>;

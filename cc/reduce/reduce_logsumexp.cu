@@ -1,5 +1,5 @@
 // logsumexp kernels (one online (max, sum) pass).
-#include "reduce/reduce_kernels.cuh"
+#include "reduce/reduce_launch.cuh"
 
 namespace jaxops::reduce {
 JAXOPS_REDUCE_LAUNCHER(launch_logsumexp, OpKind::kLogSumExp, LogSumExpOp, LogSumExpOp)

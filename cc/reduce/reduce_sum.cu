@@ -1,5 +1,5 @@
 // sum and mean kernels.
-#include "reduce/reduce_kernels.cuh"
+#include "reduce/reduce_launch.cuh"
 
 namespace jaxops::reduce {
 template <class A> using Sum = SumOp<A, false>;

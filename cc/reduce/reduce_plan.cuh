@@ -1,0 +1,158 @@
+// The reduction kernels' plans, shared by host and device: packs in flight per thread (unroll),
+// launch bounds (min_blocks), how many threads read a row (warp_rows, row_block_threads), and
+// when row blocks stream through the shared-memory ring. Each rule carries the H100 measurement
+// that chose it.
+#pragma once
+#include <climits>
+#include <cstdint>
+
+#include "reduce/reduce_fast16.cuh"
+#include "reduce/reduce_ops.h"
+
+namespace jaxops::reduce::kernels {
+
+constexpr int kMinRowLanes = 2;      // see row_warp_kernel
+constexpr int kBlockThreads = 256;   // column / merge kernels
+constexpr int kMaxGrid = INT_MAX;
+
+// float32 with a 4-byte state (sum, mean, max, min) in 16-byte packs: 8 packs (128 B) in flight
+// per thread under >= 4 blocks of 256 (<= 64 registers; 1024 threads x 128 B = 128 KB per SM
+// instead of 1280 x 64 B). Session 4, H100: 0.5-2 % faster than 4 packs on rows, full and
+// columns (sum 16384x4096 88.4 -> 87.8 µs, sum_cols 262144x256 93.5 -> 91.9).
+template <class Op, class T, int P>
+constexpr bool f32_wide() {
+  return sizeof(T) == 4 && sizeof(typename Op::State) == 4 && P * sizeof(T) == 16;
+}
+
+// float32 argmax/argmin in 16-byte packs: 8 packs in flight per thread too, under >= 3 blocks of
+// 256 (row_block 60-64 registers, columns 80; row_warp keeps 4, see warp_unroll). Session 14,
+// H100, same-run A/B against 4 packs: rows 4096x16384 91.5 -> 89.5 µs, 1024x65536 92.6 -> 90.7,
+// full 95.4 -> 93.6, argmax_cols 1048576x64 99.6 -> 98.8; 64x2^20 (one wave of 512-thread
+// blocks) 93.4 -> 95.0, also 94.8 on ~1024 blocks; the rest unchanged.
+template <class Op, class T, int P>
+constexpr bool f32_arg8() {
+  return sizeof(T) == 4 && Op::kIndex && P * sizeof(T) == 16;
+}
+
+// Independent packs in flight per thread: 8 for 2-byte types, f32_wide and f32_arg8 (128 B),
+// else 4 (64 B; f64: 4 x 16 B). Two-byte types carry twice the elements per byte, so with the
+// same pack count a thread would have half the bytes in flight of float32 for the same
+// per-element work. The generic arg loop on 2-byte types (8 elements a pack) is the exception:
+// its per-element compare/select/index work made 8 packs compute-bound (session 3, H100: bf16
+// argmax rows fell from 0.68-0.83 to 0.54-0.64 of copy); float32 packs hold 4 elements
+// (f32_arg8); the packed 2-byte arg loop (reduce_fast16.cuh, ~3 instructions an element) takes 8
+// (4 packs under >= 4 blocks lost 1-24 % on rows in session 4).
+template <class Op, class T, int P>
+constexpr int unroll_for() {
+  return (sizeof(T) <= 2 && (!Op::kIndex || arg16_types<Op, T, P>())) || f32_wide<Op, T, P>() ||
+                 f32_arg8<Op, T, P>()
+             ? 8
+             : 4;
+}
+
+// Packs in flight per lane of row_warp_kernel: float32 arg keeps 4 there, since 8 meant fewer
+// lanes per short row and lost 1-2 % (session 14, H100: 524288x128 90.7 -> 92.4 µs, 262144x256
+// 89.3 -> 90.4, 131072x512 88.3 -> 89.4; 1024-4096 columns unchanged).
+template <class Op, class T, int P>
+constexpr int warp_unroll() {
+  return f32_arg8<Op, T, P>() ? 4 : unroll_for<Op, T, P>();
+}
+
+// Launch bounds. Without them ptxas keeps the 2-byte kernels near 32 registers by issuing
+// each 16-byte load right before its use, i.e. about one load in flight per thread (seen in
+// the SASS of the bf16 column kernel: load, use, load, use). Promising fewer resident blocks
+// lets it hold all unroll_for<Op, T, P>() packs at once: 2-byte types get <= 80 registers at 256
+// threads (>= 3 blocks, 768 threads x 128 B = 96 KB in flight per SM). 4-byte types with a
+// 4-byte state (sum, max) keep <= 48 (>= 5 blocks, 1280 x 64 B) for single-element loads and
+// <= 64 (>= 4 blocks, 1024 x 128 B) with 16-byte packs (f32_wide), wider states (logsumexp,
+// arg) <= 64 (>= 4 blocks), float32 arg in 16-byte packs <= 80 (>= 3 blocks, f32_arg8): near the
+// unhinted counts, without spills. float64 gets <= 128
+// (its software exp in logsumexp spills at 64). Rows of 2-byte types never use 512-thread
+// blocks (max_row_block_threads), which would halve the register budget.
+constexpr int min_blocks_for(int element_bytes, int state_bytes, int threads) {
+  const int blocks_of_256 = element_bytes <= 2 ? 3 : element_bytes >= 8 ? 2 : state_bytes == 4 ? 5 : 4;
+  return (blocks_of_256 * 256 + threads - 1) / threads;  // rounded up: 512 threads keep >= as many threads
+}
+// V == false (element loads for a misaligned base, see load_pack_v): a 16-byte pack is P loads
+// into P registers, so the budgets above spill (ptxas: up to 76 bytes in the bf16 arg/logsumexp
+// kernels, 4 in f32 max columns); those variants promise >= 2 blocks (<= 128 registers) instead.
+// Occupancy only: the tiles and the order of operations stay those of the vector-load kernel.
+template <class Op, class T, int P, bool V = true>
+constexpr int min_blocks(int threads) {
+  if constexpr (!V && P > 1) return (2 * 256 + threads - 1) / threads;
+  else if constexpr (f32_wide<Op, T, P>()) return (4 * 256 + threads - 1) / threads;
+  else if constexpr (f32_arg8<Op, T, P>()) return (3 * 256 + threads - 1) / threads;
+  else return min_blocks_for(static_cast<int>(sizeof(T)), static_cast<int>(sizeof(typename Op::State)), threads);
+}
+template <class T>
+constexpr int max_row_block_threads() {
+  return sizeof(T) <= 2 ? 256 : 512;
+}
+
+// Packs a thread takes from one row (or chunk of a split row) of 16-byte packs: the unroll, so a
+// row is read in one round of loads (a 4096-long float32 row by 128 threads, 8192 bf16 by 128),
+// except float32 logsumexp, whose 4-pack loop and expf-heavy block merge want fewer, longer
+// threads. Until session 16 every block row had 256 threads and rows up to 4096 elements a warp:
+// bf16 rows of 4097-16383 elements then left each thread fewer packs than the unroll, all in the
+// one-pack-at-a-time tail. H100, session 16 run 5, µs, same-run A/B: 8192x8192 bf16 (256 -> 128
+// threads) sum 49.6 -> 43.9, max 48.0 -> 44.0, logsumexp 91.0 -> 45.8, argmax 88.3 -> 45.9 (XLA
+// 43.3-47.4); 16384x6000 bf16 argmax 148.4 -> 88.3, float32 192.0 -> 139.6; 8192x8192 float32
+// logsumexp 96.5 -> 91.4. 16384x4096 float32 (a warp -> a block of 128): sum 85.6 -> 85.3, max
+// 86.0 -> 85.5, argmax 88.5 -> 88.0 (XLA 85.6), on the hosts of runs 2-4 87.8 -> 86.1, 88.2 ->
+// 86.2, 90.9 -> 88.2 (XLA 85.5 / 85.5 / 86.3).
+template <class Op, class T, int P>
+constexpr int row_packs_per_thread() {
+  return sizeof(T) == 4 && !Op::kIndex && sizeof(typename Op::State) == 8 ? 32 : unroll_for<Op, T, P>();
+}
+
+// Whether unsplit rows of n elements go to row_warp_kernel: those one warp reads in one round.
+template <class Op, class T, int P>
+bool warp_rows(int64_t n) {
+  return (n + P - 1) / P <= 32 * row_packs_per_thread<Op, T, P>();
+}
+
+// Threads of a row_block_kernel launch for chunks of `chunk` elements: the largest power of two
+// in [32, max_row_block_threads<T>()] that leaves each thread row_packs_per_thread packs. Below
+// 32768-element chunks float32 arg stops at 256 (4096x16384 with 512: 89.4 -> 90.2 µs, where sum
+// and max gained 0.6).
+template <class Op, class T, int P>
+int row_block_threads(int64_t chunk) {
+  const int64_t packs = (chunk + P - 1) / P, per_thread = row_packs_per_thread<Op, T, P>();
+  const int most = f32_arg8<Op, T, P>() && chunk < 32768 ? 256 : max_row_block_threads<T>();
+  int threads = 32;
+  while (threads < most && threads * 2 * per_thread <= packs) threads *= 2;
+  return threads;
+}
+
+// The packed arg loop's shared-memory ring (arg16_stream_ring) in row_block_kernel (kRing): aligned
+// 16-byte packs of 2-byte types on sm_90+ (arg16_path; the host asks with arg16_types, as it
+// cannot see the device's path), blocks of kBlockThreads with at least kRingMinPacks packs a
+// thread (chunks of >= 32768 elements). H100, session
+// 15 (runs 3-7, same-run A/B against the register loop, bf16 argmax, µs): 1024x65536 48.9 -> 47.0,
+// 64x2^20 52.7 -> 50.0, full 51.9 -> 50.1 with 4 stages (3 stages: 47.5 / 50.6 / 50.5; 2: 47.9 /
+// 51.0 / 50.8), 16384x4096 (a warp a row, 16 packs a lane) 48.8 -> 47.3, since session 16 blocks
+// of 64 threads with 8 packs each and no ring, 46.2; 4096x16384 (8 packs a thread) 46.9 -> 47.7
+// through the ring, hence the minimum. The column kernel keeps the register
+// loop: through a 2-stage ring (16 KB of fold states plus a 4-stage ring leave 2 blocks an SM)
+// argmax_cols moved 54.0 -> 53.6 (1048576x64), 54.5 -> 54.3 (262144x256), 52.5 -> 53.6 (16384x4096).
+constexpr int kRowRingStages = 4;
+constexpr int kRingMinPacks = 16;
+
+// Whether a row launch streams through the ring (a function of the plan): chunks of `chunk`
+// elements over `threads` threads of P-element packs, whose count a thread still fits the ring's
+// 32 bits.
+constexpr bool ring_rows(int64_t chunk, int threads, int P) {
+  const int64_t packs = chunk / (int64_t(threads) * P);
+  return packs >= kRingMinPacks && packs < INT_MAX;
+}
+
+template <class Op, class T, int P, bool V>
+__host__ __device__ constexpr bool uses_ring() {
+#if defined(__CUDA_ARCH__)
+  return V && arg16_path<Op, T, P>();
+#else
+  return V && arg16_types<Op, T, P>();
+#endif
+}
+
+}  // namespace jaxops::reduce::kernels

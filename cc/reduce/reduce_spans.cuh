@@ -1,0 +1,178 @@
+// What one thread (or lane) of a row reduction folds: its packs of a row span, with 16-byte or
+// element loads (load_pack_v), independent slot states (slots_for, fold_slots), the packed 16-bit
+// loops of reduce_fast16.cuh, and the head and tail of rows that are not whole packs.
+#pragma once
+#include <cstdint>
+
+#include "common/cuda_util.cuh"
+#include "reduce/reduce_fast16.cuh"
+#include "reduce/reduce_plan.cuh"
+
+namespace jaxops::reduce::kernels {
+
+using cuda::acc_t;
+using cuda::load_pack;
+using cuda::Pack;
+using cuda::to_acc;
+
+// P elements at p. V: one vector load (p aligned to the pack); otherwise P element loads into
+// the same pack, for a base pointer that is not 16-byte aligned. Only the load instruction
+// differs: the tile, the slots and the order of every addition are the same, so a result
+// never depends on the operand's address (perf6 determinism rule).
+template <class T, int P, bool V>
+__device__ __forceinline__ Pack<T, P> load_pack_v(const T* p) {
+  if constexpr (V || P == 1) {
+    return load_pack<T, P>(p);
+  } else {
+    Pack<T, P> pk;
+#pragma unroll
+    for (int j = 0; j < P; ++j) pk.v[j] = p[j];
+    return pk;
+  }
+}
+
+// Independent accumulator states per thread (element j of a pack goes to slot j % slots).
+// Four break the per-element dependency chain (the arg ops' compare/select chain, the
+// logsumexp expf chain) without spending 2-byte types' 8 x 2 registers on arg states.
+template <int P>
+constexpr int slots_for() {
+  return P < 4 ? P : 4;
+}
+
+// Folds S slot states into one by a fixed tree (slot j with j + w, w = S/2 .. 1).
+template <class Op, int S>
+__device__ __forceinline__ typename Op::State fold_slots(typename Op::State (&acc)[S]) {
+#pragma unroll
+  for (int w = S / 2; w > 0; w /= 2)
+#pragma unroll
+    for (int j = 0; j < w; ++j) acc[j] = Op::merge(acc[j], acc[j + w]);
+  return acc[0];
+}
+
+// The generic loop of add_span (below). Rows whose packs do not divide into U a lane end in a
+// tail, and a pack-at-a-time tail keeps one load in flight. float32 sum/max/min/mean (f32_wide)
+// and the packed 16-bit max/min (ext16_stream) load their tail kTailPacks packs at a time before
+// use (session 9, H100, 524288x128 with 8 lanes a row, i.e. 4 packs a lane: f32 sum 106.5 -> 91.5
+// us, max 107.8 -> 93.0; bf16 max 80.6 -> 63.8; 128-column rows have since moved to 2-4 lanes and
+// no tail, see row_warp_kernel). Not everywhere: the same tail made bf16 sum slower (61.7 -> 66.8)
+// and float32 argmax 16384x4096 (no tail at all, but 8 more registers) 90.9 -> 96.5; tails of
+// U / 2 or U predicated packs spilled the 80-register 16-bit arg kernels. The additions keep their
+// order, so results do not change.
+template <class Op, class T, int P, bool V, int U, int S, class Idx>
+__device__ __forceinline__ void add_span_generic(typename Op::State& s, const T* x, Idx begin, Idx end, int t,
+                                                 int nthreads) {
+  typename Op::State acc[S];
+#pragma unroll
+  for (int j = 0; j < S; ++j) acc[j] = Op::identity();
+  const Idx stride = static_cast<Idx>(nthreads) * P;
+  Idx c = begin + static_cast<Idx>(t) * P;
+  for (; c + (U - 1) * stride < end; c += U * stride) {
+    Pack<T, P> pk[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) pk[u] = load_pack_v<T, P, V>(x + c + u * stride);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < P; ++j) Op::add(acc[j % S], to_acc(pk[u].v[j]), c + u * stride + j);
+  }
+  constexpr int kTail = f32_wide<Op, T, P>() ? kTailPacks : 1;
+  for (; c < end; c += kTail * stride) {  // the last < U packs
+    Pack<T, P> pk[kTail];
+#pragma unroll
+    for (int u = 0; u < kTail; ++u)
+      if (c + u * stride < end) pk[u] = load_pack_v<T, P, V>(x + c + u * stride);
+#pragma unroll
+    for (int u = 0; u < kTail; ++u)
+      if (c + u * stride < end)
+#pragma unroll
+        for (int j = 0; j < P; ++j) Op::add(acc[j % S], to_acc(pk[u].v[j]), c + u * stride + j);
+  }
+  s = Op::merge(s, fold_slots<Op, S>(acc));
+}
+
+// Adds x[begin, end) (begin, end and the stride multiples of P) element-wise-strided over the
+// threads of a group: thread `t` of `nthreads` takes packs t, t + nthreads, ...
+// Element j of every pack goes to state acc[j % S], so consecutive updates are independent
+// (no P-long dependency chain per pack: matters for arg/logsumexp, whose add is a long
+// compare/select or expf chain); the slots are folded by a fixed tree at the end, so the
+// result is still one fixed function of the input (bit-deterministic). Each slot sees its
+// elements in increasing index order, as the arg ops' tie rule assumes of add().
+// 16-byte packs of bf16/f16 take the packed arg/logsumexp loops of reduce_fast16.cuh instead.
+// Idx is int where the span is known to fit (warp rows, warp_rows): fewer registers.
+// kRing (aligned x only): `ring` is this thread's first slot of a kRowRingStages-stage ring for
+// the packed arg loop (arg16_stream_ring; slot i at ring[i * kBlockThreads], blocks of
+// kBlockThreads threads); otherwise the register loop.
+template <class Op, class T, int P, bool V, class Idx = int64_t, int U = unroll_for<Op, T, P>(), bool kRing = false>
+__device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx begin, Idx end, int t,
+                                         int nthreads, uint4* ring = nullptr) {
+  constexpr int S = slots_for<P>();
+  if constexpr (arg16_path<Op, T, P>()) {  // packed bf16/f16 loops (reduce_fast16.cuh)
+    const Idx stride = static_cast<Idx>(nthreads) * P, first = begin + static_cast<Idx>(t) * P;
+    if (first < end) {
+      typename Op::State st[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) st[j] = Op::identity();
+      const Idx count = (end - first + stride - 1) / stride;
+      if constexpr (kRing && uses_ring<Op, T, P, V>())  // count < 2^31: launch_rows
+        arg16_stream_ring<Op, T, kBlockThreads, kRowRingStages, Idx>(st, x + first, static_cast<int>(count), stride,
+                                                                     first, stride, 1, ring);
+      else
+        arg16_stream<Op, T, U, V, Idx>(st, x + first, count, stride, first, stride, 1);
+      s = Op::merge(s, fold_slots<Op, 8>(st));
+    }
+  } else if constexpr (lse16_path<Op, T, P>()) {
+    lse16_span<Op, T, U, V, Idx>(s, x, begin + static_cast<Idx>(t) * P, end, static_cast<Idx>(nthreads) * P);
+  } else if constexpr (ext16_path<Op, T, P>()) {
+    const Idx stride = static_cast<Idx>(nthreads) * P, first = begin + static_cast<Idx>(t) * P;
+    if (first < end) {
+      typename Op::State st[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) st[j] = Op::identity();
+      ext16_stream<Op, T, U, V, Idx>(st, x + first, (end - first + stride - 1) / stride, stride);
+      s = Op::merge(s, fold_slots<Op, 8>(st));
+    }
+  } else {
+    add_span_generic<Op, T, P, V, U, S, Idx>(s, x, begin, end, t, nthreads);
+  }
+}
+
+// Rows that are not whole packs (kPeel: n % P != 0, so row starts fall between packs): the
+// row span [begin, end) at logical offset `base` (= row * n) splits into a head up to the first
+// pack boundary of base + i, whole packs (vector loads), and a tail of < P elements. Boundaries
+// come from the logical offset, never the address, so a misaligned operand (V == false) peels the
+// same elements and gets the same bits. Until session 16 such rows took element loads (up to
+// 1.45x XLA's time: bf16 argmax 8192x8191 71.9 vs 49.7 µs; now 59.0). A thread's head and tail
+// elements are loaded before the packs and added after them, so their latency hides behind the
+// packs' (bf16 argmax 16384x4095 60.7 -> 57.0 µs, 8192x8191 63.7 -> 59.0 against loading them
+// in turn; float32 unchanged within noise; session 16 runs 9-10). Still open: float32 argmax/argmin
+// on short odd rows runs ~10 % slower than the element loads did (16384x4095 96.7 -> 108.7 µs,
+// 8192x8191 97.9 -> 107.1, session 16 runs 9-10; the SASS keeps its 8 loads up front and a
+// wider tail changed nothing), while their split rows gained (64x1048575 117.0 -> 99.7). The ring
+// kernels (chunks >= 32768) add in order: holding the two elements there spilled. The arg ops
+// break ties by index in every add and merge, so the order is free.
+template <class Op, class T, int P, bool V, class Idx, int U, bool kRing, bool kPeel>
+__device__ __forceinline__ void add_row_span(typename Op::State& s, const T* xr, int64_t base, Idx begin, Idx end,
+                                             int t, int nthreads, uint4* ring = nullptr) {
+  if constexpr (!kPeel) {
+    add_span<Op, T, P, V, Idx, U, kRing>(s, xr, begin, end, t, nthreads, ring);
+  } else {
+    const Idx skip = static_cast<Idx>((P - (base + begin) % P) % P);
+    const Idx body = end - begin > skip ? begin + skip : end;
+    const Idx body_end = body + (end - body) / P * P;
+    const Idx h = begin + t, e = body_end + t;
+    if constexpr (kRing) {  // chunks of >= 32768: the latencies are amortised, registers are not
+      for (Idx i = h; i < body; i += nthreads) Op::add(s, to_acc(xr[i]), i);
+      if (body < body_end) add_span<Op, T, P, V, Idx, U, kRing>(s, xr, body, body_end, t, nthreads, ring);
+    } else {
+      const T hv = h < body ? xr[h] : T(), ev = e < end ? xr[e] : T();
+      if (body < body_end) add_span<Op, T, P, V, Idx, U, kRing>(s, xr, body, body_end, t, nthreads, ring);
+      if (h < body) Op::add(s, to_acc(hv), h);
+      if (e < end) Op::add(s, to_acc(ev), e);
+      // Groups narrower than the head or tail (warp rows of 2-4 lanes) take the rest in turn.
+      for (Idx i = h + nthreads; i < body; i += nthreads) Op::add(s, to_acc(xr[i]), i);
+    }
+    for (Idx i = kRing ? e : e + nthreads; i < end; i += nthreads) Op::add(s, to_acc(xr[i]), i);
+  }
+}
+
+}  // namespace jaxops::reduce::kernels
