@@ -173,6 +173,19 @@ def test_arg_peeled_rows_ties_and_nan_in_the_last_round(n, dtype, key):
         rows[r, at] = np.nan
         rows[r, min(at + 1, n - 1)] = np.nan
     rows[9, rng.integers(0, n, 3)] = np.nan      # NaNs anywhere
+    # The last thread's first pack of a round, for blocks of 32 ... 512 threads, in each row's
+    # pack grid (logical offset r * n): the one maximum and minimum there, or a NaN.
+    pack = 16 // jnp.dtype(dtype).itemsize
+    extra = []
+    for threads in (32, 64, 128, 256, 512):
+        for kind in ("extremes", "nan"):
+            r = 12 + len(extra)
+            line = np.round(2 * rng.standard_normal(n)).clip(-4, 4)
+            at = (-r * n) % pack + (threads - 1) * pack + r % pack
+            if at + 1 < n:
+                line[at], line[at + 1] = (50.0, -50.0) if kind == "extremes" else (np.nan, np.nan)
+            extra.append(line)
+    rows = np.concatenate([rows, np.stack(extra)])
     x = jnp.asarray(rows.astype(np.float32).astype(dtype))
     got = jax.jit(lambda v: [getattr(jaxops, op)(v, 1) for op in ARG_OPS])(x)
     for op, g in zip(ARG_OPS, got):
