@@ -302,5 +302,36 @@ def test_batch_norm_grads(data, with_residual):
 
     _vjp_close(ours, ref, (x, scale, bias, res), dtype, rng)
 
+
+# vmap over a drawn axis (nested once, sometimes): the batched op against the same vmap of the
+# reference, so batching rules (custom_vmap / batched FFI calls) see odd layouts too.
+VMAP_OPS = {
+    "sum": (lambda v: jaxops.sum(v, -1), lambda v: jnp.sum(v, -1)),
+    "argmax": (lambda v: jaxops.argmax(v, 0), lambda v: jnp.argmax(v, 0)),
+    "logsumexp": (lambda v: jaxops.logsumexp(v, None), lambda v: jax.nn.logsumexp(v, None)),
+    "softmax": (lambda v: jaxops.softmax(v, -1), lambda v: jax.nn.softmax(v, -1)),
+    "layer_norm": (lambda v: jaxops.layer_norm(v, jnp.ones(v.shape[-1], v.dtype), jnp.zeros(v.shape[-1], v.dtype)),
+                   lambda v: (v - jnp.mean(v, -1, keepdims=True))
+                   * jax.lax.rsqrt(jnp.var(v, -1, keepdims=True) + 1e-5)),
+    "relu": (jaxops.relu, jax.nn.relu),
+}
+
+
+@FUZZ
+@given(data=st.data(), name=st.sampled_from(sorted(VMAP_OPS)))
+def test_vmap_any_axis(data, name):
+    x, dtype = _finite(data, min_ndim=2, max_ndim=3, max_size=1 << 14)
+    ours, ref = VMAP_OPS[name]
+    axis = data.draw(st.integers(0, x.ndim - 1))
+    got = jax.vmap(ours, in_axes=axis)(x)
+    want = jax.vmap(ref, in_axes=axis)(x.astype(ACC))
+    if x.ndim == 3 and data.draw(st.booleans()):  # nested, the inner map over the next axis
+        got = jax.vmap(jax.vmap(ours, in_axes=0), in_axes=axis)(x)
+        want = jax.vmap(jax.vmap(ref, in_axes=0), in_axes=axis)(x.astype(ACC))
+    if name == "argmax":  # x converts to ACC exactly, so the reference's indices are exact
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    else:
+        assert_close(got, want, dtype, atol=8 * float(jnp.finfo(dtype).eps) * max(1.0, float(jnp.max(jnp.abs(want)))))
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
