@@ -195,6 +195,9 @@ def test_knn_and_classify(data):
     ints = data.draw(st.booleans())  # integer features: exact distances, many ties
     q = rng.integers(-3, 4, (m, d)) if ints else rng.standard_normal((m, d))
     r = rng.integers(-3, 4, (n, d)) if ints else rng.standard_normal((n, d))
+    if not ints and data.draw(st.booleans()):  # NaN features: those distances rank last
+        r[rng.integers(0, n, max(1, n // 10)), rng.integers(0, d)] = np.nan
+        q[rng.integers(0, m), rng.integers(0, d)] = np.nan
     q = jnp.asarray(q.astype(np.float32)).astype(dtype)
     r = jnp.asarray(r.astype(np.float32)).astype(dtype)
     dists, idx = jaxops.knn(q, r, k)
