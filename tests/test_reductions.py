@@ -192,6 +192,27 @@ def test_arg_peeled_rows_ties_and_nan_in_the_last_round(n, dtype, key):
         np.testing.assert_array_equal(np.asarray(g), _np_ref(op, _f64(x), 1), err_msg=f"{op} {n}")
 
 
+# The arg ops' identity carries index -1 and their add() takes only strictly better elements
+# (reduce_ops.h), so a line whose every element equals the identity value (-inf for argmax,
+# +inf for argmin) keeps the identity through every slot, merge and split, and finish() must
+# answer 0. One element off the identity value, placed last or first, must win instead. Lines of
+# warp, block and split rows, columns and the full reduction.
+@pytest.mark.parametrize("shape,axis", [((5, 33), 1), ((3, 4096), 1), ((3, 4095), 1), ((2, 1 << 20), 1),
+                                        ((4097, 3), 0), ((1 << 21,), None)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_arg_of_lines_equal_to_the_identity(shape, axis, dtype):
+    for op, fill in (("argmax", -np.inf), ("argmin", np.inf)):
+        x = np.full(shape, fill, np.float32)
+        np.testing.assert_array_equal(np.asarray(getattr(jaxops, op)(jnp.asarray(x, dtype), axis)),
+                                      np.zeros(np.asarray(REF[op](x, axis=axis)).shape), err_msg=op)
+        red = 0 if axis is None else axis
+        for at in (shape[red] - 1, 0):
+            y = x.copy()
+            np.moveaxis(y, red, 0)[at] = 0.0
+            np.testing.assert_array_equal(np.asarray(getattr(jaxops, op)(jnp.asarray(y, dtype), axis)),
+                                          np.asarray(REF[op](y, axis=axis)), err_msg=f"{op} {at}")
+
+
 @pytest.mark.parametrize("shape,axis", [((6, 9), 1), ((9, 6), 0), ((5, 3000), 1), ((3, 70000), 1),
                                         ((3000, 5), 0), ((40000,), None)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

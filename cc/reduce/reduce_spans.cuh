@@ -144,12 +144,12 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
 // 1.45x XLA's time: bf16 argmax 8192x8191 71.9 vs 49.7 µs; now 59.0). A thread's head and tail
 // elements are loaded before the packs and added after them, so their latency hides behind the
 // packs' (bf16 argmax 16384x4095 60.7 -> 57.0 µs, 8192x8191 63.7 -> 59.0 against loading them
-// in turn; float32 unchanged within noise; session 16 runs 9-10). Still open: float32 argmax/argmin
-// on short odd rows runs ~10 % slower than the element loads did (16384x4095 96.7 -> 108.7 µs,
-// 8192x8191 97.9 -> 107.1, session 16 runs 9-10; the SASS keeps its 8 loads up front and a
-// wider tail changed nothing), while their split rows gained (64x1048575 117.0 -> 99.7). The ring
-// kernels (chunks >= 32768) add in order: holding the two elements there spilled. The arg ops
-// break ties by index in every add and merge, so the order is free.
+// in turn; float32 unchanged within noise; session 16 runs 9-10); the arg ops merge those head
+// elements (add_unordered), as their add() assumes rising indices. float32 argmax/argmin on
+// short odd rows ran ~10 % slower than with element loads (16384x4095 96.7 -> 108.7 µs, 8192x8191
+// 97.9 -> 107.1, session 16 runs 9-10) until session 19 cut the arg compare chain (87.9 / 87.2,
+// XLA 88.4 / 87.7): the cost was the compare chain, not the loads. The ring kernels
+// (chunks >= 32768) add in order: holding the two elements there spilled.
 template <class Op, class T, int P, bool V, class Idx, int U, bool kRing, bool kPeel>
 __device__ __forceinline__ void add_row_span(typename Op::State& s, const T* xr, int64_t base, Idx begin, Idx end,
                                              int t, int nthreads, uint4* ring = nullptr) {
@@ -166,10 +166,10 @@ __device__ __forceinline__ void add_row_span(typename Op::State& s, const T* xr,
     } else {
       const T hv = h < body ? xr[h] : T(), ev = e < end ? xr[e] : T();
       if (body < body_end) add_span<Op, T, P, V, Idx, U, kRing>(s, xr, body, body_end, t, nthreads, ring);
-      if (h < body) Op::add(s, to_acc(hv), h);
+      if (h < body) add_unordered<Op>(s, to_acc(hv), h);
       if (e < end) Op::add(s, to_acc(ev), e);
       // Groups narrower than the head or tail (warp rows of 2-4 lanes) take the rest in turn.
-      for (Idx i = h + nthreads; i < body; i += nthreads) Op::add(s, to_acc(xr[i]), i);
+      for (Idx i = h + nthreads; i < body; i += nthreads) add_unordered<Op>(s, to_acc(xr[i]), i);
     }
     for (Idx i = kRing ? e : e + nthreads; i < end; i += nthreads) Op::add(s, to_acc(xr[i]), i);
   }
