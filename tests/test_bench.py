@@ -63,3 +63,20 @@ def test_allocator_warning(env, warns):
     assert (got is not None) == warns
     if warns:
         assert "XLA_PYTHON_CLIENT_ALLOCATOR=platform" in got and "Unset" in got
+
+
+def test_named_column_ops_take_user_shapes():
+    """`--ops argmax_cols --shapes RxC` reduces the leading axis of RxC (it built no case before)."""
+    import numpy as np
+    import jax
+
+    from jaxops.bench.case import Options
+    from jaxops.bench.cli import build_cases
+
+    cases = build_cases(Options(ops={"argmax_cols", "sum"}, dtypes=["float32"], shapes=[(70, 33), (50,)],
+                                gpu=False))
+    assert sorted((c.op, c.shape) for c in cases) == [("argmax_cols", (70, 33)), ("sum", (50,)), ("sum", (70, 33))]
+    (col,) = [c for c in cases if c.op == "argmax_cols"]
+    x = col.make_inputs(jax.random.key(0))
+    assert col.jaxops_fn(*x).shape == (33,)
+    np.testing.assert_array_equal(np.asarray(col.jaxops_fn(*x)), np.asarray(col.xla_fn(*x)))

@@ -5,6 +5,8 @@ reduction) and column reductions (leading axis of (R, C) for C = 64, 256, 4096) 
 elements, as in the issue.
 Minimal bytes: the input read once plus the output written once. Ops are named "<op>" for row
 and full reductions (x = row length) and "<op>_cols" for column reductions (x = C).
+With --shapes, "<op>" reduces each shape's last axis and "<op>_cols", when named in --ops, its
+leading axis.
 """
 from __future__ import annotations
 
@@ -49,9 +51,12 @@ def cases(options: Options) -> list[Case]:
         for op in OPS:
             if options.ops is None and op not in TIMED_OPS:
                 continue
-            if options.shapes:  # user shapes: reduce the last axis
+            if options.shapes:  # user shapes: rows reduce the last axis, named "_cols" ops the first
                 if wants(options, op):
                     out += [_case(op, op, s, -1, dtype, s[-1], "rows") for s in options.shapes]
+                if options.ops is not None and op + "_cols" in options.ops:
+                    out += [_case(op, op + "_cols", s, 0, dtype, s[-1], "columns")
+                            for s in options.shapes if len(s) > 1]
                 continue
             if wants(options, op):
                 out += [_case(op, op, (total // r, r), 1, dtype, r, "rows") for r in row_lengths]
