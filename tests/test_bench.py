@@ -1,9 +1,13 @@
 """The benchmark harness: device-time splitting of profiled dispatches, and the CLI end to end."""
 import json
 
+import jax
+import numpy as np
 import pytest
 
 from jaxops.bench import device_clock
+from jaxops.bench.case import Options
+from jaxops.bench.cli import build_cases
 from jaxops.bench.cli import main as bench_main
 from jaxops.bench.timing import allocator_warning
 
@@ -67,12 +71,6 @@ def test_allocator_warning(env, warns):
 
 def test_named_column_ops_take_user_shapes():
     """`--ops argmax_cols --shapes RxC` reduces the leading axis of RxC (it built no case before)."""
-    import numpy as np
-    import jax
-
-    from jaxops.bench.case import Options
-    from jaxops.bench.cli import build_cases
-
     cases = build_cases(Options(ops={"argmax_cols", "sum"}, dtypes=["float32"], shapes=[(70, 33), (50,)],
                                 gpu=False))
     assert sorted((c.op, c.shape) for c in cases) == [("argmax_cols", (70, 33)), ("sum", (50,)), ("sum", (70, 33))]
