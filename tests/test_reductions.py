@@ -156,6 +156,23 @@ def test_row_lengths_across_thread_plans(n, dtype, key):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(REF[op](xt, axis=1)), err_msg=f"{op} {n}")
 
 
+def _last_packs_of_last_threads(start, length, pack):
+    """Offsets, in a span of `length` elements at logical offset `start` (a row: r * n; a chunk of
+    a split row: r * n + its first element), of the last 16-byte pack that the last thread of a
+    group of 2 ... 512 threads takes when the threads share the span's whole packs round-robin
+    (reduce_spans.cuh): where a thread's partial last round ends. The packed 16-bit logsumexp
+    loop loads such a round whole, repeating its last pack (reduce_fast16.cuh: load16_round), so
+    a value there must be counted once."""
+    skip = (-start) % pack
+    packs = (length - skip) // pack
+    out = []
+    for threads in (2, 4, 8, 16, 32, 64, 128, 256, 512):
+        if packs >= threads:
+            last = threads - 1 + (packs - threads) // threads * threads
+            out.append(skip + last * pack)
+    return out
+
+
 # Rows that peel a head and a tail fall a pack short of whole rounds of loads, so on the GPU a
 # thread's last round is partial (reduce_spans.cuh: add_row_span, add_span_generic;
 # reduce_fast16.cuh: arg16_stream): ties (first index), NaN (the first) and all -inf there.
@@ -184,6 +201,24 @@ def test_arg_peeled_rows_ties_and_nan_in_the_last_round(n, dtype, key):
             at = (-r * n) % pack + (threads - 1) * pack + r % pack
             if at + 1 < n:
                 line[at], line[at + 1] = (50.0, -50.0) if kind == "extremes" else (np.nan, np.nan)
+            extra.append(line)
+    # The last thread's last pack, where its partial last round ends: the one maximum and minimum
+    # in its last two elements, a NaN, or the row's best value again there after an earlier copy
+    # (the earlier index must win).
+    for kind in ("extremes", "nan", "tie"):
+        for i in range(9):  # one line a group size of _last_packs_of_last_threads
+            r = 12 + len(extra)
+            ends = _last_packs_of_last_threads(r * n, n, pack)
+            if i >= len(ends):
+                break
+            line = np.round(2 * rng.standard_normal(n)).clip(-4, 4)
+            last = ends[i] + pack - 1
+            if kind == "extremes":
+                line[last - 1], line[last] = 50.0, -50.0
+            elif kind == "nan":
+                line[last] = np.nan
+            else:
+                line[last - r % pack] = line[r % 7] = 50.0
             extra.append(line)
     rows = np.concatenate([rows, np.stack(extra)])
     x = jnp.asarray(rows.astype(np.float32).astype(dtype))
@@ -280,6 +315,36 @@ def _specials_for_half(rng, shape, axis):
             row[j] = v
         flat[line] = row
     return np.moveaxis(x, -1, axis)
+
+
+# The packed 16-bit logsumexp loop loads a thread's partial last round whole, repeating its last
+# pack (reduce_fast16.cuh: lse16_span); the repeats may raise the block maximum but must add
+# nothing. One dominant element a line, in the last pack of the last thread of each group size
+# (for split rows: of one chunk of the plan): counted twice, the result would be off by log 2.
+@pytest.mark.parametrize("n", [1021, 4095, 8191, 12289, 50257, (1 << 20) - 1])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_logsumexp_partial_last_round_counts_each_element_once(n, dtype, key):
+    from jaxops._reductions import _splits
+
+    rng = _rng(key)
+    pack = 16 // jnp.dtype(dtype).itemsize
+    splits = _splits(9, n, 1, jnp.dtype(dtype).itemsize, "logsumexp")
+    chunk = -(-(-(-n // splits)) // pack) * pack
+    begin = chunk * (splits // 2)  # a chunk inside the row (the whole row when unsplit)
+    length = min(chunk, n - begin)
+    lines = []
+    for i in range(9):
+        r = len(lines)
+        ends = _last_packs_of_last_threads(r * n + begin, length, pack)
+        if i >= len(ends):
+            break
+        line = rng.uniform(-14.0, -10.0, n)
+        line[begin + ends[i] + pack - 1 - r % pack] = 3.0
+        lines.append(line)
+    assert splits == 1 or len(lines) == 9  # the plan above is that of the shape tested
+    x = jnp.asarray(np.stack(lines).astype(np.float32).astype(dtype))
+    got = _f64(jaxops.logsumexp(x, 1))
+    np.testing.assert_allclose(got, _np_ref("logsumexp", _f64(x), 1), rtol=2 * _eps(dtype), err_msg=f"{n}")
 
 
 @pytest.mark.parametrize("shape,axis", [((37, 1024), 1), ((133, 64), 1), ((9, 8192), 1), ((3, 70000), 1),
