@@ -319,7 +319,7 @@ __device__ __forceinline__ float max_nan(float a, float b) { return (a != a || a
 // One block of U packs into the running (m, acc[]): the block max first, then one rescale,
 // then exp2(x * log2e - m * log2e) per element of the first `valid` packs (the rest repeat one
 // of those: they may raise the block max, which they do not change, but add nothing).
-template <class T, int U, bool kAll = true>
+template <class T, int U>
 __device__ __forceinline__ void lse16_block(float& m, float (&acc)[4], const uint4 (&pk)[U], int valid = U) {
   using V = typename Vec2<T>::type;
   constexpr float kLog2e = 1.4426950408889634f;
@@ -343,7 +343,7 @@ __device__ __forceinline__ void lse16_block(float& m, float (&acc)[4], const uin
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        if (!kAll && u >= valid) continue;
+        if (u >= valid) continue;  // folds away for a whole round (valid == U)
         const V x = as_vec2<V>(word(pk[u], i));
         acc[(2 * i) % 4] += ex2_approx(fmaf(__low2float(x), kLog2e, -off));
         acc[(2 * i + 1) % 4] += ex2_approx(fmaf(__high2float(x), kLog2e, -off));
@@ -353,7 +353,7 @@ __device__ __forceinline__ void lse16_block(float& m, float (&acc)[4], const uin
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        if (!kAll && u >= valid) continue;
+        if (u >= valid) continue;  // folds away for a whole round (valid == U)
         const V x = as_vec2<V>(word(pk[u], i));
         acc[(2 * i) % 4] += ex2_approx((__low2float(x) - mn) * kLog2e);
         acc[(2 * i + 1) % 4] += ex2_approx((__high2float(x) - mn) * kLog2e);
@@ -400,7 +400,7 @@ __device__ __forceinline__ void lse16_span(typename Op::State& s, const T* x, Id
     } else {
       uint4 pk[U];
       load16_round<kVec>(pk, x + c, stride, last);
-      lse16_block<T, U, false>(m, acc, pk, last + 1);
+      lse16_block<T, U>(m, acc, pk, last + 1);
     }
   }
   s = Op::merge(s, {m, (acc[0] + acc[1]) + (acc[2] + acc[3])});
