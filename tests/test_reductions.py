@@ -227,6 +227,34 @@ def test_arg_peeled_rows_ties_and_nan_in_the_last_round(n, dtype, key):
         np.testing.assert_array_equal(np.asarray(g), _np_ref(op, _f64(x), 1), err_msg=f"{op} {n}")
 
 
+# Rows that are not whole packs add their loose elements, the head up to the row's first pack
+# boundary and the tail after its last, one a thread around the packs (reduce_spans.cuh:
+# add_row_span). In each line one of them is the maximum and another the minimum, over small
+# values: counted twice or at a wrong index, sum, logsumexp or the arg ops would show it.
+@pytest.mark.parametrize("n", [1021, 4095, 8191, 12289, 50257])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_row_head_and_tail_elements_count_once_at_their_index(n, dtype, key):
+    rng = _rng(key)
+    pack = 16 // jnp.dtype(dtype).itemsize
+    lines = []
+    for r in range(2 * pack):
+        skip = (-r * n) % pack
+        loose = list(range(skip)) + list(range(n - (n - skip) % pack, n))
+        line = rng.uniform(-0.0625, 0.0625, n)
+        line[loose[r % len(loose)]] = 50.0
+        if len(loose) > 1:
+            line[loose[(r + 1 + r // len(loose)) % len(loose)]] = -50.0
+        lines.append(line)
+    x = jnp.asarray(np.stack(lines).astype(np.float32).astype(dtype))
+    ops = ["sum", "max", "min", "logsumexp"] + ARG_OPS
+    got = jax.jit(lambda v: [getattr(jaxops, op)(v, 1) for op in ops])(x)
+    for op, g in zip(ops, got):
+        if op in ARG_OPS or op in ("max", "min"):
+            np.testing.assert_array_equal(_f64(g), _np_ref(op, _f64(x), 1), err_msg=f"{op} {n}")
+        else:
+            _check_value(op, g, x, 1, False)
+
+
 # The arg ops' identity carries index -1 and their add() takes only strictly better elements
 # (reduce_ops.h), so a line whose every element equals the identity value (-inf for argmax,
 # +inf for argmin) keeps the identity through every slot, merge and split, and finish() must

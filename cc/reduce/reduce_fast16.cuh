@@ -156,10 +156,26 @@ __device__ __forceinline__ void arg16_flush(typename Op::State (&st)[8], const V
   }
 }
 
+// A partial round of U packs: p, p + step, ..., p + last * step (last < U), then the last pack
+// again in the remaining registers, so all U loads issue at once like a whole round's (the
+// caller must not count the repeats). Pointer steps, not multiplies, keep the address arithmetic
+// of a whole round.
+template <bool kVec, int U, class T, class Idx>
+__device__ __forceinline__ void load16_round(uint4 (&pk)[U], const T* p, Idx step, int last) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    pk[u] = load16<kVec>(p);
+    if (u < last) p += step;
+  }
+}
+
 // Folds `count` packs p, p + step, ... (16 bytes each, 8 elements) into st[0..8): element j of
-// pack k has index idx0 + k * idx_step + j * slot_step. U packs are loaded before their use;
-// the first pack of a segment seeds the slots (so an element equal to the identity, e.g. -inf
-// for argmax, still gets its index), inside the first block of U loads when there is one.
+// pack k has index idx0 + k * idx_step + j * slot_step. Every round loads U packs before their
+// use, a thread's last round included (load16_round repeats its last pack, which the strict
+// compare never takes again), so the threads of a warp whose last rounds are partial to
+// different degrees run one code path instead of the whole round and a pack-at-a-time tail in
+// turn. The first pack of a segment seeds the slots (so an element equal to the identity, e.g.
+// -inf for argmax, still gets its index).
 template <class Op, class T, int U, bool kVec, class Idx>
 __device__ __forceinline__ void arg16_stream(typename Op::State (&st)[8], const T* p, Idx count, Idx step,
                                              Idx idx0, Idx idx_step, int slot_step) {
@@ -170,28 +186,20 @@ __device__ __forceinline__ void arg16_stream(typename Op::State (&st)[8], const 
     const T* q = p + seg * step;
     V run[4];
     uint32_t pk_no[4];
-    int k;
-    if (m >= U) {
+    {
       uint4 pk[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) pk[u] = load16<kVec>(q + u * step);
+      load16_round<kVec>(pk, q, step, m < U ? m - 1 : U - 1);
       arg16_seed(run, pk_no, pk[0]);
 #pragma unroll
       for (int u = 1; u < U; ++u) arg16_update<kMax>(run, pk_no, pk[u], static_cast<uint32_t>(u) * 0x00010001u);
-      k = U;
-    } else {
-      arg16_seed(run, pk_no, load16<kVec>(q));
-      k = 1;
     }
-    q += k * step;
-    for (; k + U - 1 < m; k += U, q += U * step) {
+    q += U * step;
+    for (int k = U; k < m; k += U, q += U * step) {
       uint4 pk[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) pk[u] = load16<kVec>(q + u * step);
+      load16_round<kVec>(pk, q, step, m - k < U ? m - k - 1 : U - 1);
 #pragma unroll
       for (int u = 0; u < U; ++u) arg16_update<kMax>(run, pk_no, pk[u], static_cast<uint32_t>(k + u) * 0x00010001u);
     }
-    for (; k < m; ++k, q += step) arg16_update<kMax>(run, pk_no, load16<kVec>(q), static_cast<uint32_t>(k) * 0x00010001u);
     arg16_flush<Op>(st, run, pk_no, seg, idx0, idx_step, slot_step);
   }
 }
@@ -361,44 +369,31 @@ __device__ __forceinline__ void lse16_block(float& m, float (&acc)[4], const uin
   }
 }
 
-// A partial round of U packs: p, p + step, ..., p + last * step (last < U), then the last pack
-// again in the remaining registers, so all U loads issue at once like a whole round's (the
-// caller must not count the repeats). Pointer steps, not multiplies, keep the address arithmetic
-// of a whole round.
-template <bool kVec, int U, class T, class Idx>
-__device__ __forceinline__ void load16_round(uint4 (&pk)[U], const T* p, Idx step, int last) {
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    pk[u] = load16<kVec>(p);
-    if (u < last) p += step;
-  }
-}
-
-// logsumexp of the packs x + first, x + first + stride, ... below end, into s.
+// logsumexp of the packs x + first, x + first + stride, ... below end, into s. Every round loads
+// U packs at once, a thread's last partial round included (load16_round), and adds only its
+// packs. Rows that are not whole packs leave the last thread of a row (or of each chunk of a split
+// row) a partial round: bf16 4095 / 8191 columns give 64 / 128 threads 8 packs and the last 7.
+// Loaded one pack at a time (until session 20), that thread kept one load in flight while its block
+// waited at the merge; as a separate partial round after the loop (session 20), its warp ran the
+// other lanes' whole round and then its partial one in turn (ncu, H100, 16384x4095: 41 % more
+// instructions than 16384x4096). Now a warp takes the partial round's code, whose packs are
+// branches, whenever one of its lanes needs it, and the whole round's otherwise: both give the same
+// bits on a whole round, so which lanes vote together (__activemask) changes no result.
 template <class Op, class T, int U, bool kVec, class Idx>
 __device__ __forceinline__ void lse16_span(typename Op::State& s, const T* x, Idx first, Idx end, Idx stride) {
   float m = -INFINITY, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  Idx c = first;
-  for (; c + (U - 1) * stride < end; c += U * stride) {
+  for (Idx c = first; c < end; c += U * stride) {
+    const Idx rem = end - c;
     uint4 pk[U];
+    if (__all_sync(__activemask(), rem > (U - 1) * stride)) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) pk[u] = load16<kVec>(x + c + u * stride);
-    lse16_block<T, U>(m, acc, pk);
-  }
-  // The last < U packs as one round. One pack at a time kept one load in flight, and the whole
-  // block waited for that thread at its merge: rows that are not whole packs leave the last thread
-  // of a row U - 1 packs (bf16 4095 / 8191 columns: 64 / 128 threads, the last with 7) and so
-  // does every chunk of a split row. H100, session 20, µs: bf16 16384x4095 62.2 -> 57.2,
-  // 8192x8191 57.2 -> 53.2, 64x1048575 60.8 -> 56.7, 4096x32001 124.0 -> 89.6; whole-pack rows
-  // unchanged.
-  // A single pack stays one load (1024x50257: 41.7 as a round vs 41.0 µs).
-  if (c < end) {
-    const int last = static_cast<int>((end - 1 - c) / stride);
-    if (last == 0) {
-      const uint4 pk[1] = {load16<kVec>(x + c)};
-      lse16_block<T, 1>(m, acc, pk);
-    } else {
-      uint4 pk[U];
+      for (int u = 0; u < U; ++u) pk[u] = load16<kVec>(x + c + u * stride);
+      lse16_block<T, U>(m, acc, pk);
+    } else if (rem <= stride) {  // one pack: one load (1024x50257, mostly one pack left: 41.0 vs 41.9 µs)
+      const uint4 one[1] = {load16<kVec>(x + c)};
+      lse16_block<T, 1>(m, acc, one);
+    } else {  // U * stride fits an int (<= 512 threads x 8 elements x U)
+      const int last = rem > (U - 1) * stride ? U - 1 : (static_cast<int>(rem) - 1) / static_cast<int>(stride);
       load16_round<kVec>(pk, x + c, stride, last);
       lse16_block<T, U>(m, acc, pk, last + 1);
     }

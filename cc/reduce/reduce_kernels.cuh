@@ -114,7 +114,9 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
 // inner == 1: block b = row * splits + split reduces x[row, split*chunk : (split+1)*chunk].
 // With ws it writes the partial state ws[b] (merged by merge_kernel); otherwise (splits == 1)
 // the finished y[row].
-template <class Op, class T, int P, bool V, bool kRing = false, bool kPeel = false>
+// Idx: the type of offsets inside a row; int where n fits (launch_rows), which frees the registers
+// of 64-bit offsets (see row_offset_t).
+template <class Op, class T, int P, bool V, bool kRing = false, bool kPeel = false, class Idx = int64_t>
 __global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, P, V>(max_row_block_threads<T>()))
     row_block_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t rows, int64_t n,
                      int64_t splits, int64_t chunk) {
@@ -127,8 +129,8 @@ __global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, 
     const int64_t end = begin + chunk < n ? begin + chunk : n;
     auto s = Op::identity();
     if (begin < end)
-      add_row_span<Op, T, P, V, int64_t, unroll_for<Op, T, P>(), kRing, kPeel>(s, x + row * n, row * n, begin, end,
-                                                                                threadIdx.x, blockDim.x, ring);
+      add_row_span<Op, T, P, V, Idx, unroll_for<Op, T, P>(), kRing, kPeel>(
+          s, x + row * n, row * n, static_cast<Idx>(begin), static_cast<Idx>(end), threadIdx.x, blockDim.x, ring);
     s = block_merge<Op>(s);
     if (threadIdx.x == 0) emit<Op, T>(y, ws, b, s, n);
   }

@@ -66,12 +66,21 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
   const int threads = row_block_threads<Op, T, P>(chunk);
   const bool split = p.splits > 1;
   constexpr bool kRing = uses_ring<Op, T, P, V>();
-  if (cudaError_t err = launch_row_kernel<row_block_kernel<Op, T, P, V, false, kPeel>,
-                                          row_block_kernel<Op, T, P, V, kRing, kPeel>>(
-          kRing && threads == kBlockThreads && ring_rows(chunk, threads, P), grid_for(p.outer * p.splits), threads,
-          stream, x, y, split ? ws : nullptr, p.outer, n, p.splits, chunk);
-      err != cudaSuccess || !split)
-    return err;
+  const bool ring = kRing && threads == kBlockThreads && ring_rows(chunk, threads, P);
+  typename Op::State* const partials = split ? ws : nullptr;
+  // Rows that are not whole packs hold their head and tail besides a round of packs; with 64-bit
+  // offsets ptxas (80 registers) issued the bf16 argmax round as 6 loads, then 2 after the first
+  // compares, so each row waited two memory latencies (ncu source view, H100, 16384x4095).
+  const auto launch = [&](auto offsets) {
+    using Idx = decltype(offsets);
+    return launch_row_kernel<row_block_kernel<Op, T, P, V, false, kPeel, Idx>,
+                             row_block_kernel<Op, T, P, V, kRing, kPeel, Idx>>(
+        ring, grid_for(p.outer * p.splits), threads, stream, x, y, partials, p.outer, n, p.splits, chunk);
+  };
+  cudaError_t err;
+  if constexpr (kPeel) err = n < kNarrowRow ? launch(int{}) : launch(int64_t{});
+  else err = launch(int64_t{});
+  if (err != cudaSuccess || !split) return err;
   return merge_partials<Op, T>(ws, y, p, stream);
 }
 

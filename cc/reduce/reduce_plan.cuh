@@ -14,6 +14,9 @@ namespace jaxops::reduce::kernels {
 constexpr int kMinRowLanes = 2;      // see row_warp_kernel
 constexpr int kBlockThreads = 256;   // column / merge kernels
 constexpr int kMaxGrid = INT_MAX;
+// Rows shorter than this run row_block_kernel with int offsets (rows that are not whole packs only,
+// see launch_rows): every offset of such a row, plus a round of packs past its end, fits an int.
+constexpr int64_t kNarrowRow = int64_t(1) << 30;
 
 // float32 with a 4-byte state (sum, mean, max, min) in 16-byte packs: 8 packs (128 B) in flight
 // per thread under >= 4 blocks of 256 (<= 64 registers; 1024 threads x 128 B = 128 KB per SM

@@ -159,19 +159,23 @@ __device__ __forceinline__ void add_row_span(typename Op::State& s, const T* xr,
     const Idx skip = static_cast<Idx>((P - (base + begin) % P) % P);
     const Idx body = end - begin > skip ? begin + skip : end;
     const Idx body_end = body + (end - body) / P * P;
-    const Idx h = begin + t, e = body_end + t;
     if constexpr (kRing) {  // chunks of >= 32768: the latencies are amortised, registers are not
-      for (Idx i = h; i < body; i += nthreads) Op::add(s, to_acc(xr[i]), i);
+      for (Idx i = begin + t; i < body; i += nthreads) Op::add(s, to_acc(xr[i]), i);
       if (body < body_end) add_span<Op, T, P, V, Idx, U, kRing>(s, xr, body, body_end, t, nthreads, ring);
+      for (Idx i = body_end + t; i < end; i += nthreads) Op::add(s, to_acc(xr[i]), i);
     } else {
-      const T hv = h < body ? xr[h] : T(), ev = e < end ? xr[e] : T();
+      // The head and tail elements, one a thread (head element i on thread i, tail element i on
+      // thread head + i), so no thread adds two in turn while its warp waits: a row of
+      // n % P == P - 1 has P - 1 of them, which thread i took both of before session 21 (one
+      // logsumexp add is ~40 instructions). Groups narrower than them (warp rows of 2-4 lanes)
+      // take the rest in turn.
+      const Idx head = body - begin, loose = head + (end - body_end);
+      const auto at = [&](Idx i) { return i < head ? begin + i : body_end + (i - head); };
+      const T v = t < loose ? xr[at(t)] : T();
       if (body < body_end) add_span<Op, T, P, V, Idx, U, kRing>(s, xr, body, body_end, t, nthreads, ring);
-      if (h < body) add_unordered<Op>(s, to_acc(hv), h);
-      if (e < end) Op::add(s, to_acc(ev), e);
-      // Groups narrower than the head or tail (warp rows of 2-4 lanes) take the rest in turn.
-      for (Idx i = h + nthreads; i < body; i += nthreads) add_unordered<Op>(s, to_acc(xr[i]), i);
+      if (t < loose) add_unordered<Op>(s, to_acc(v), at(t));
+      for (Idx i = t + nthreads; i < loose; i += nthreads) add_unordered<Op>(s, to_acc(xr[at(i)]), at(i));
     }
-    for (Idx i = kRing ? e : e + nthreads; i < end; i += nthreads) Op::add(s, to_acc(xr[i]), i);
   }
 }
 
