@@ -30,7 +30,7 @@ __all__ = ["sum", "mean", "max", "min", "logsumexp", "argmax", "argmin"]
 _OPS = {"sum": 0, "mean": 1, "max": 2, "min": 3, "logsumexp": 4, "argmax": 5, "argmin": 6}
 _ARG_OPS = ("argmax", "argmin")
 _WIDE_STATE_OPS = ("argmax", "argmin", "logsumexp")  # 8-byte partial states in float32
-_LIGHT_ROW_OPS = ("sum", "mean", "max", "min")  # and 16-bit logsumexp: see _splits
+_LIGHT_ROW_OPS = ("sum", "mean", "max", "min")  # and 16-bit logsumexp / arg ops: see _splits
 # Value of an empty reduction where jnp has one.
 _EMPTY = {"sum": 0.0, "mean": float("nan"), "logsumexp": -float("inf")}
 
@@ -42,6 +42,9 @@ _TARGET_BLOCKS = 1024     # split rows/full (and float64 columns): about this ma
 _TARGET_BLOCKS_LIGHT = 4096  # split rows (not full) of the light ops (_LIGHT_ROW_OPS)
 _BUSY_BLOCKS = 512        # this many blocks without splitting already fill an H100
 _MIN_ROW_CHUNK = 8192     # elements per block of a split row
+_TARGET_BLOCKS_LSE16 = 16384  # split rows of 16-bit logsumexp: chunks of 4096, see _splits
+_MIN_ROW_CHUNK_LSE16 = 4096
+_MAX_SPLITS_LSE16 = 2048      # a row's partials merged by one block
 _COLUMN_THREADS = 256
 _PLAN_SMS = 132           # H100 SMs: a constant of the plan, so results never depend on the device
 
@@ -188,20 +191,30 @@ def _splits(outer: int, n: int, inner: int, itemsize: int, fn: str = "sum") -> i
     logsumexp (8-byte states, compute-heavy loops at 4 packs a thread) on more than one row,
     64x2^20: 92.6 / 93.3 µs vs 95.7 / 96.2. Their full reduction (one row) keeps the ~1024-block
     plan (one wave: 97.7 vs 95.8 µs).
-    Several split rows of the light ops (sum, mean, max, min; 16-bit logsumexp) take ~4096
-    blocks: 16384-element chunks, one round of 8 packs a thread (H100, session 16 runs 2-3,
-    64x2^20, µs: float32 sum 89.8 -> 87.8, max 90.5 -> 88.3; bf16 sum 46.6 -> 46.2, max 47.2 ->
-    46.5, logsumexp 51.6 -> 50.5). A full reduction keeps ~1024: one merge block folding 4096
-    partials cost more than the chunks saved (float32 sum 88.6 -> 89.8).
+    Several split rows of the light ops (sum, mean, max, min; 16-bit logsumexp, argmax, argmin)
+    take ~4096 blocks: 16384-element chunks, one round of 8 packs a thread (H100, session 16 runs
+    2-3, 64x2^20, µs: float32 sum 89.8 -> 87.8, max 90.5 -> 88.3; bf16 sum 46.6 -> 46.2, max 47.2
+    -> 46.5, logsumexp 51.6 -> 50.5). 16-bit arg ops joined in session 21 (run 8, same build,
+    bf16 argmax µs: 64x2^20 49.2 -> 47.6, 64x1048575 52.9 -> 48.4, 16x2^22 48.9 -> 47.5,
+    2x2^25 49.2 -> 48.0; argmin and f16 alike): ~1024 chunks of 65536 through the cp.async ring
+    had left the SMs fewer, longer blocks. 16-bit logsumexp takes chunks of 4096 (blocks of 64
+    threads, one round each, as its 16384x4096 rows; ~16384 blocks), at most 2048 a row, since
+    one block merges a row's partials (run 8, µs: 64x2^20 51.0 -> 49.5, 64x1048575 53.6 -> 51.6,
+    256x262144 50.8 -> 49.9, 16x2^22 50.5 -> 49.7; 2x2^25 with 8192 chunks a row 50.5 -> 54.4,
+    hence the cap). A full reduction keeps ~1024: one merge block folding 4096 partials cost more
+    than the chunks saved (float32 sum 88.6 -> 89.8; bf16 logsumexp 51.7 -> 53.8 with 8192).
     """
     if inner == 1:
         if n <= _WARP_ROW_MAX or outer >= _BUSY_BLOCKS:
             return 1
         if itemsize == 4 and fn in _WIDE_STATE_OPS and outer > 1:
             return builtins.max(1, builtins.min(_wave_blocks(itemsize, True) // outer, n // _MIN_ROW_CHUNK))
-        light = fn in _LIGHT_ROW_OPS or (fn == "logsumexp" and itemsize == 2)
-        target = _TARGET_BLOCKS_LIGHT if light and outer > 1 else _TARGET_BLOCKS
-        return builtins.max(1, builtins.min(-(-target // outer), -(-n // _MIN_ROW_CHUNK)))
+        if outer == 1 or not (fn in _LIGHT_ROW_OPS or itemsize == 2):
+            return builtins.max(1, builtins.min(-(-_TARGET_BLOCKS // outer), -(-n // _MIN_ROW_CHUNK)))
+        if fn == "logsumexp" and itemsize == 2:
+            return builtins.max(1, builtins.min(-(-_TARGET_BLOCKS_LSE16 // outer), -(-n // _MIN_ROW_CHUNK_LSE16),
+                                                _MAX_SPLITS_LSE16))
+        return builtins.max(1, builtins.min(-(-_TARGET_BLOCKS_LIGHT // outer), -(-n // _MIN_ROW_CHUNK)))
     pack = 16 // itemsize if inner % (16 // itemsize) == 0 else 1
     tx = _next_pow2(-(-inner // pack), 32)
     ty = _COLUMN_THREADS // tx

@@ -369,7 +369,7 @@ def test_logsumexp_partial_last_round_counts_each_element_once(n, dtype, key):
         line = rng.uniform(-14.0, -10.0, n)
         line[begin + ends[i] + pack - 1 - r % pack] = 3.0
         lines.append(line)
-    assert splits == 1 or len(lines) == 9  # the plan above is that of the shape tested
+    assert splits == 1 or len(lines) >= 8  # the plan above is that of the shape tested
     x = jnp.asarray(np.stack(lines).astype(np.float32).astype(dtype))
     got = _f64(jaxops.logsumexp(x, 1))
     np.testing.assert_allclose(got, _np_ref("logsumexp", _f64(x), 1), rtol=2 * _eps(dtype), err_msg=f"{n}")
@@ -661,15 +661,17 @@ def test_split_plan():
     """The shape-only plan (jaxops._reductions._splits): column splits fill one resident wave of
     the H100 (3 blocks of 256 threads per SM); split rows and full reductions take about 1024
     blocks of >= 8192 elements, except float32 arg/logsumexp over more than one row (one wave of
-    2 blocks of 512 per SM) and the light ops (sum, mean, max, min, 16-bit logsumexp) over more
-    than one row (about 4096 blocks); the benchmark shapes get the planned split counts."""
+    2 blocks of 512 per SM), the light ops (sum, mean, max, min, 16-bit arg ops) over more than
+    one row (about 4096 blocks) and 16-bit logsumexp over more than one row (chunks of 4096, at
+    most 2048 a row); the benchmark shapes get the planned split counts."""
     from jaxops._reductions import _MIN_ROW_CHUNK, _TARGET_BLOCKS, _TARGET_BLOCKS_LIGHT, _splits, _wave_blocks
 
     plans = {  # (outer, n, inner, itemsize, fn): splits
         (1, 1 << 26, 1, 2, "sum"): 1024, (1, 1 << 26, 1, 2, "argmax"): 1024,
         (1, 1 << 26, 1, 4, "sum"): 1024, (1, 1 << 26, 1, 4, "argmax"): 1024,
         (1, 1 << 26, 1, 4, "logsumexp"): 1024,
-        (64, 1 << 20, 1, 2, "sum"): 64, (64, 1 << 20, 1, 2, "logsumexp"): 64, (64, 1 << 20, 1, 2, "argmax"): 16,
+        (64, 1 << 20, 1, 2, "sum"): 64, (64, 1 << 20, 1, 2, "logsumexp"): 256, (64, 1 << 20, 1, 2, "argmax"): 64,
+        (16, 1 << 22, 1, 2, "logsumexp"): 1024, (2, 1 << 25, 1, 2, "logsumexp"): 2048,
         (64, 1 << 20, 1, 4, "sum"): 64, (64, 1 << 20, 1, 4, "max"): 64, (64, 1 << 20, 1, 4, "mean"): 64,
         (64, 1 << 20, 1, 2, "min"): 64, (1, 1 << 26, 1, 2, "max"): 1024, (1, 1 << 26, 1, 2, "logsumexp"): 1024,
         (64, 1 << 20, 1, 4, "argmax"): 4, (64, 1 << 20, 1, 4, "argmin"): 4, (64, 1 << 20, 1, 4, "logsumexp"): 4,
@@ -689,7 +691,7 @@ def test_split_plan():
                     assert k >= 1
                     if inner == 1 and not (size == 4 and fn == "argmax" and outer > 1):
                         # about _TARGET_BLOCKS(_LIGHT) blocks, chunks of >= _MIN_ROW_CHUNK elements
-                        target = _TARGET_BLOCKS_LIGHT if fn == "sum" and outer > 1 else _TARGET_BLOCKS
+                        target = _TARGET_BLOCKS_LIGHT if (fn == "sum" or size == 2) and outer > 1 else _TARGET_BLOCKS
                         assert k == min(-(-target // outer), -(-n // _MIN_ROW_CHUNK)), (outer, n, k)
                         continue
                     pack = 16 // size if inner % (16 // size) == 0 else 1
