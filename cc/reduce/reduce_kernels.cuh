@@ -114,8 +114,8 @@ __global__ void __launch_bounds__(256, min_blocks<Op, T, P, V>(256))
 // inner == 1: block b = row * splits + split reduces x[row, split*chunk : (split+1)*chunk].
 // With ws it writes the partial state ws[b] (merged by merge_kernel); otherwise (splits == 1)
 // the finished y[row].
-// Idx: the type of offsets inside a row; int where n fits (launch_rows), which frees the registers
-// of 64-bit offsets (see row_offset_t).
+// Idx: the type of offsets inside a row; int for rows that are not whole packs and shorter than
+// kNarrowRow (launch_rows), which frees the registers of 64-bit offsets.
 template <class Op, class T, int P, bool V, bool kRing = false, bool kPeel = false, class Idx = int64_t>
 __global__ void __launch_bounds__(max_row_block_threads<T>(), min_blocks<Op, T, P, V>(max_row_block_threads<T>()))
     row_block_kernel(const T* __restrict__ x, void* y, typename Op::State* ws, int64_t rows, int64_t n,

@@ -144,8 +144,8 @@ __device__ __forceinline__ void add_span(typename Op::State& s, const T* x, Idx 
 // 1.45x XLA's time: bf16 argmax 8192x8191 71.9 vs 49.7 µs; now 59.0). A thread's head and tail
 // elements are loaded before the packs and added after them, so their latency hides behind the
 // packs' (bf16 argmax 16384x4095 60.7 -> 57.0 µs, 8192x8191 63.7 -> 59.0 against loading them
-// in turn; float32 unchanged within noise; session 16 runs 9-10); the arg ops merge those head
-// elements (add_unordered), as their add() assumes rising indices. float32 argmax/argmin on
+// in turn; float32 unchanged within noise; session 16 runs 9-10); they are added out of index
+// order, so the arg ops merge them (add_unordered), as their add() assumes rising indices. float32 argmax/argmin on
 // short odd rows ran ~10 % slower than with element loads (16384x4095 96.7 -> 108.7 µs, 8192x8191
 // 97.9 -> 107.1, session 16 runs 9-10) until session 19 cut the arg compare chain (87.9 / 87.2,
 // XLA 88.4 / 87.7): the cost was the compare chain, not the loads. The ring kernels
