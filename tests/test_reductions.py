@@ -345,34 +345,48 @@ def _specials_for_half(rng, shape, axis):
     return np.moveaxis(x, -1, axis)
 
 
-# The packed 16-bit logsumexp loop loads a thread's partial last round whole, repeating its last
-# pack (reduce_fast16.cuh: lse16_span); the repeats may raise the block maximum but must add
-# nothing. One dominant element a line, in the last pack of the last thread of each group size
-# (for split rows: of one chunk of the plan): counted twice, the result would be off by log 2.
-@pytest.mark.parametrize("n", [1021, 4095, 8191, 12289, 50257, (1 << 20) - 1])
+# A thread's partial last round of packs is loaded whole, its last pack repeated (reduce_fast16.cuh:
+# load16_round in the packed 16-bit logsumexp and max/min loops; reduce_spans.cuh: the generic
+# loop of sum, mean, max and min, where the repeats are not added). A repeat may raise a block
+# maximum but must add nothing, and no pack may be skipped. One dominant element a line, in the
+# last pack of the last thread of each group size (for split rows: of one chunk of the plan):
+# counted twice, logsumexp would be off by log 2 and sum by the element; missed, max and min
+# would not be it.
+_DOMINANT = {"logsumexp": ((-14.0, -10.0), 3.0), "sum": ((-0.0625, 0.0625), 1000.0),
+             "max": ((-14.0, -10.0), 3.0), "min": ((10.0, 14.0), -3.0)}
+
+
+@pytest.mark.parametrize("n", [1021, 4095, 8191, 12289, 32001, 50257, (1 << 20) - 1])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
-def test_logsumexp_partial_last_round_counts_each_element_once(n, dtype, key):
+@pytest.mark.parametrize("op", list(_DOMINANT))
+def test_partial_last_round_counts_each_element_once(op, n, dtype, key):
     from jaxops._reductions import _splits
 
     rng = _rng(key)
     pack = 16 // jnp.dtype(dtype).itemsize
-    splits = _splits(9, n, 1, jnp.dtype(dtype).itemsize, "logsumexp")
+    splits = _splits(9, n, 1, jnp.dtype(dtype).itemsize, op)
     chunk = -(-(-(-n // splits)) // pack) * pack
     begin = chunk * (splits // 2)  # a chunk inside the row (the whole row when unsplit)
     length = min(chunk, n - begin)
+    (low, high), dominant = _DOMINANT[op]
     lines = []
     for i in range(9):
         r = len(lines)
         ends = _last_packs_of_last_threads(r * n + begin, length, pack)
         if i >= len(ends):
             break
-        line = rng.uniform(-14.0, -10.0, n)
-        line[begin + ends[i] + pack - 1 - r % pack] = 3.0
+        line = rng.uniform(low, high, n)
+        line[begin + ends[i] + pack - 1 - r % pack] = dominant
         lines.append(line)
     assert splits == 1 or len(lines) >= 8  # the plan above is that of the shape tested
     x = jnp.asarray(np.stack(lines).astype(np.float32).astype(dtype))
-    got = _f64(jaxops.logsumexp(x, 1))
-    np.testing.assert_allclose(got, _np_ref("logsumexp", _f64(x), 1), rtol=2 * _eps(dtype), err_msg=f"{n}")
+    got = _f64(getattr(jaxops, op)(x, 1))
+    want = _np_ref(op, _f64(x), 1)
+    if op in ("max", "min"):
+        np.testing.assert_array_equal(got, want, err_msg=f"{n}")
+    else:
+        # float32: a few ulp of accumulation; the defect this catches is log 2 (or 1000) off
+        np.testing.assert_allclose(got, want, rtol=max(2 * _eps(dtype), 1e-6), err_msg=f"{n}")
 
 
 @pytest.mark.parametrize("shape,axis", [((37, 1024), 1), ((133, 64), 1), ((9, 8192), 1), ((3, 70000), 1),

@@ -70,7 +70,6 @@ constexpr bool ext16_path() {
 }
 
 constexpr int kArgSegment = 256;  // packs per segment (< 2^16; small enough for a GPU test to cross)
-constexpr int kTailPacks = 2;     // packs a max/min tail loads at once (see add_span_generic)
 
 template <class V>
 __device__ __forceinline__ V as_vec2(uint32_t w) {
@@ -279,6 +278,8 @@ __device__ __forceinline__ void arg16_stream_ring(typename Op::State (&st)[8], c
 
 // max/min of `count` packs p, p + step, ... into st[0..8) (slot j: element j of each pack): one
 // packed NaN-propagating max/min per 2 elements. No index, so no seed: the identity starts it.
+// Every round loads U packs at once, a partial last round too (load16_round: a repeated pack
+// changes no max or min), as arg16_stream does.
 template <class Op, class T, int U, bool kVec, class Idx>
 __device__ __forceinline__ void ext16_stream(typename Op::State (&st)[8], const T* p, Idx count, Idx step) {
   using V = typename Vec2<T>::type;
@@ -287,26 +288,13 @@ __device__ __forceinline__ void ext16_stream(typename Op::State (&st)[8], const 
   V run[4];
 #pragma unroll
   for (int w = 0; w < 4; ++w) run[w] = as_vec2<V>(id);
-  Idx k = 0;
-  for (; k + U - 1 < count; k += U, p += U * step) {
+  for (Idx k = 0; k < count; k += U, p += U * step) {
     uint4 pk[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) pk[u] = load16<kVec>(p + u * step);
+    load16_round<kVec>(pk, p, step, count - k < U ? static_cast<int>(count - k) - 1 : U - 1);
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int w = 0; w < 4; ++w) run[w] = extremum2<kMax>(run[w], as_vec2<V>(word(pk[u], w)));
-  }
-  for (; k < count; k += kTailPacks, p += kTailPacks * step) {  // the last < U packs (see add_span_generic)
-    uint4 pk[kTailPacks];
-#pragma unroll
-    for (int u = 0; u < kTailPacks; ++u)
-      if (k + u < count) pk[u] = load16<kVec>(p + u * step);
-#pragma unroll
-    for (int u = 0; u < kTailPacks; ++u)
-      if (k + u < count)
-#pragma unroll
-        for (int w = 0; w < 4; ++w) run[w] = extremum2<kMax>(run[w], as_vec2<V>(word(pk[u], w)));
   }
 #pragma unroll
   for (int w = 0; w < 4; ++w) {

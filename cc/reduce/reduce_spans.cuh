@@ -49,15 +49,30 @@ __device__ __forceinline__ typename Op::State fold_slots(typename Op::State (&ac
   return acc[0];
 }
 
-// The generic loop of add_span (below). Rows whose packs do not divide into U a lane end in a
-// tail, and a pack-at-a-time tail keeps one load in flight. float32 sum/max/min/mean (f32_wide)
-// and the packed 16-bit max/min (ext16_stream) load their tail kTailPacks packs at a time before
-// use (session 9, H100, 524288x128 with 8 lanes a row, i.e. 4 packs a lane: f32 sum 106.5 -> 91.5
-// us, max 107.8 -> 93.0; bf16 max 80.6 -> 63.8; 128-column rows have since moved to 2-4 lanes and
-// no tail, see row_warp_kernel). Not everywhere: the same tail made bf16 sum slower (61.7 -> 66.8)
-// and float32 argmax 16384x4096 (no tail at all, but 8 more registers) 90.9 -> 96.5; tails of
-// U / 2 or U predicated packs spilled the 80-register 16-bit arg kernels. The additions keep their
-// order, so results do not change.
+// The element value that Op::add leaves a state unchanged with: the identity's value.
+template <class Op>
+__device__ __forceinline__ auto identity_value() {
+  if constexpr (Op::kIndex) return Op::identity().v;
+  else return Op::identity();
+}
+
+// The generic loop of add_span (below). A thread's packs rarely divide into rounds of U: its
+// last round is partial, by different amounts across a warp's lanes.
+// - sum, mean, max, min (a 4-byte state, any T) and float32 argmax/argmin: every round loads U
+//   packs at once, a partial one too (its last pack repeated, the repeats adding the identity's
+//   value), and a warp takes the partial round's code whenever one of its lanes needs it, so its
+//   lanes do not run a whole round and then a tail in turn; both codes give the same bits on a
+//   whole round. A single remaining pack keeps its one load. Until session 22 these ops ended in a
+//   tail of one pack at a time (two for float32 sum/max/min and 16-bit max/min), one or two loads
+//   in flight for up to U - 1 packs. H100, session 22 runs 2-4, same-run A/B, µs: bf16 4096x32001
+//   (256 threads x 15.6 packs) sum 92.9 -> 85.8, max 96.8 -> 85.7; float32 sum 176.8 -> 169.4, max
+//   180.1 -> 169.8, argmax 176.1 -> 173.1; bf16 131072x500 sum 54.4 -> 47.1; 64x1048575 -1 µs;
+//   float32 1024x50257 (3 whole rounds and at most one pack) +0.3-0.5, the rounds' vote.
+// - float32 logsumexp, float64: the tail one pack at a time (not measured with the round).
+//   Predicated tails once cost registers: float32 argmax 16384x4096 90.9 -> 96.5 µs with 8 more
+//   (session 9; the round above keeps it at 56-64), and they spilled the 80-register 16-bit arg
+//   kernels, which have their own loop now (reduce_fast16.cuh).
+// The additions keep their order, so results do not change.
 template <class Op, class T, int P, bool V, int U, int S, class Idx>
 __device__ __forceinline__ void add_span_generic(typename Op::State& s, const T* x, Idx begin, Idx end, int t,
                                                  int nthreads) {
@@ -66,26 +81,51 @@ __device__ __forceinline__ void add_span_generic(typename Op::State& s, const T*
   for (int j = 0; j < S; ++j) acc[j] = Op::identity();
   const Idx stride = static_cast<Idx>(nthreads) * P;
   Idx c = begin + static_cast<Idx>(t) * P;
-  for (; c + (U - 1) * stride < end; c += U * stride) {
-    Pack<T, P> pk[U];
+  const auto add_pack = [&](const Pack<T, P>& pk, Idx at) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) pk[u] = load_pack_v<T, P, V>(x + c + u * stride);
+    for (int j = 0; j < P; ++j) Op::add(acc[j % S], to_acc(pk.v[j]), at + j);
+  };
+  if constexpr (sizeof(typename Op::State) == 4 || (Op::kIndex && sizeof(T) == 4)) {
+    // q walks with c: the round's base address is not rebuilt from the row offset (ptxas did,
+    // ~10 instructions a round, inside the vote's convergence region).
+    for (const T* q = x + c; c < end; c += U * stride, q += U * stride) {
+      const Idx rem = end - c;
+      Pack<T, P> pk[U];
+      if (__all_sync(__activemask(), rem > (U - 1) * stride)) {
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+        for (int u = 0; u < U; ++u) pk[u] = load_pack_v<T, P, V>(q + u * stride);
 #pragma unroll
-      for (int j = 0; j < P; ++j) Op::add(acc[j % S], to_acc(pk[u].v[j]), c + u * stride + j);
-  }
-  constexpr int kTail = f32_wide<Op, T, P>() ? kTailPacks : 1;
-  for (; c < end; c += kTail * stride) {  // the last < U packs
-    Pack<T, P> pk[kTail];
+        for (int u = 0; u < U; ++u) add_pack(pk[u], c + u * stride);
+      } else if (rem <= stride) {  // one pack: one load, not U (1024x50257: 24.5 packs a thread)
+        add_pack(load_pack_v<T, P, V>(q), c);
+      } else {  // U * stride fits an int (<= 512 threads x 4 or 8 elements x U)
+        const int last = rem > (U - 1) * stride ? U - 1 : (static_cast<int>(rem) - 1) / static_cast<int>(stride);
+        const T* p = q;
 #pragma unroll
-    for (int u = 0; u < kTail; ++u)
-      if (c + u * stride < end) pk[u] = load_pack_v<T, P, V>(x + c + u * stride);
+        for (int u = 0; u < U; ++u) {
+          pk[u] = load_pack_v<T, P, V>(p);
+          if (u < last) p += stride;
+        }
+        // The repeats add the identity, which leaves every state bit-identical (sum: the state is
+        // never -0, so + 0 changes nothing; max/min: the NaN-propagating compare keeps it). Adding
+        // it unconditionally keeps the last load in the round: under `if (u <= last)` ptxas moved
+        // pack U - 1's load behind the other packs' adds, two latencies for the warp.
 #pragma unroll
-    for (int u = 0; u < kTail; ++u)
-      if (c + u * stride < end)
+        for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int j = 0; j < P; ++j) Op::add(acc[j % S], to_acc(pk[u].v[j]), c + u * stride + j);
+          for (int j = 0; j < P; ++j)
+            Op::add(acc[j % S], u <= last ? to_acc(pk[u].v[j]) : identity_value<Op>(), c + u * stride + j);
+      }
+    }
+  } else {
+    for (; c + (U - 1) * stride < end; c += U * stride) {
+      Pack<T, P> pk[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) pk[u] = load_pack_v<T, P, V>(x + c + u * stride);
+#pragma unroll
+      for (int u = 0; u < U; ++u) add_pack(pk[u], c + u * stride);
+    }
+    for (; c < end; c += stride) add_pack(load_pack_v<T, P, V>(x + c), c);  // the last < U packs
   }
   s = Op::merge(s, fold_slots<Op, S>(acc));
 }
