@@ -139,6 +139,23 @@ int row_block_threads(int64_t chunk) {
   return threads;
 }
 
+// Unsplit rows of 16-bit logsumexp, argmax and argmin (16-byte packs): these kernels hold 80
+// registers, so 3 blocks of 256 fit an SM and 396 an H100. Between one and two such waves of rows
+// (397-792, rows of >= 2048 elements), blocks of 128 (6 an SM) make every row resident at once
+// instead of leaving a second, mostly empty wave. H100, session 22 runs 9-10, µs, 256 -> 128
+// threads: logsumexp 512x131072 52.6 -> 47.5, 640x104857 50.6 -> 49.5, 768x87381 50.2 -> 49.7,
+// 512x50257 25.5 -> 22.3; argmax 50.5 -> 46.3, 52.1 -> 48.1, 51.2 -> 48.8, 22.7 -> 21.2;
+// 768x32768 equal. Not at 1024 rows (2.6 waves of 256 but 1.3 of 128: 1024x65536 logsumexp
+// 47.7 -> 53.0, argmax 46.8 -> 48.1). A fixed function of the shape, like the split counts, so
+// results do not depend on the device; the H100 sets the constants.
+constexpr int64_t kWave16 = 132 * 3;
+template <class Op, class T, int P>
+int unsplit_row_threads(int64_t rows, int64_t n) {
+  const int threads = row_block_threads<Op, T, P>(n);
+  constexpr bool k80 = P == 8 && sizeof(T) == 2 && (Op::kIndex || sizeof(typename Op::State) == 8);
+  return k80 && rows > kWave16 && rows <= 2 * kWave16 && threads > 128 ? 128 : threads;
+}
+
 // The packed arg loop's shared-memory ring (arg16_stream_ring) in row_block_kernel (kRing): aligned
 // 16-byte packs of 2-byte types on sm_90+ (arg16_path; the host asks with arg16_types, as it
 // cannot see the device's path), blocks of kBlockThreads with at least kRingMinPacks packs a
