@@ -737,10 +737,12 @@ def test_more_than_2_pow_31_elements():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape,axis", [((1 << 26,), None), ((64, 1 << 20), 1), ((1 << 16, 1024), 1),
                                         ((1 << 20, 64), 1), ((1 << 20, 64), 0), ((1 << 18, 256), 0),
-                                        ((1 << 14, 4096), 0), ((640, 20001), 1), ((792, 8192), 1)])
+                                        ((1 << 14, 4096), 0), ((640, 20001), 1), ((792, 8192), 1),
+                                        ((512, 65536), 1)])
 def test_gpu_benchmark_shapes_bit_identical_and_accurate(shape, axis, dtype, key):
-    """Every plan of the benchmark shapes, plus unsplit 16-bit logsumexp/argmax rows in blocks of
-    128 (397-792 rows, reduce_plan.cuh: unsplit_row_threads)."""
+    """Every plan of the benchmark shapes, plus the capped row blocks of row_launch_threads
+    (reduce_plan.cuh): 16-bit logsumexp/argmax rows of 397-792 in blocks of 128, float32
+    logsumexp unsplit long rows and full reductions in blocks of 256."""
     x = normal(key, shape, dtype)
     for op in ("sum", "logsumexp", "argmax"):
         f = jax.jit(lambda v: getattr(jaxops, op)(v, axis))

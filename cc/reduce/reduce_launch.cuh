@@ -63,7 +63,7 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
   // Chunks are whole packs; chunk >= n / splits so `splits` chunks cover the row.
   int64_t chunk = (n + p.splits - 1) / p.splits;
   chunk = (chunk + P - 1) / P * P;
-  const int threads = p.splits > 1 ? row_block_threads<Op, T, P>(chunk) : unsplit_row_threads<Op, T, P>(p.outer, n);
+  const int threads = row_launch_threads<Op, T, P>(p.outer, p.splits, chunk);
   const bool split = p.splits > 1;
   constexpr bool kRing = uses_ring<Op, T, P, V>();
   const bool ring = kRing && threads == kBlockThreads && ring_rows(chunk, threads, P);

@@ -139,21 +139,32 @@ int row_block_threads(int64_t chunk) {
   return threads;
 }
 
-// Unsplit rows of 16-bit logsumexp, argmax and argmin (16-byte packs): these kernels hold 80
-// registers, so 3 blocks of 256 fit an SM and 396 an H100. Between one and two such waves of rows
-// (397-792, rows of >= 2048 elements), blocks of 128 (6 an SM) make every row resident at once
-// instead of leaving a second, mostly empty wave. H100, session 22 runs 9-10, µs, 256 -> 128
-// threads: logsumexp 512x131072 52.6 -> 47.5, 640x104857 50.6 -> 49.5, 768x87381 50.2 -> 49.7,
-// 512x50257 25.5 -> 22.3; argmax 50.5 -> 46.3, 52.1 -> 48.1, 51.2 -> 48.8, 22.7 -> 21.2;
-// 768x32768 equal. Not at 1024 rows (2.6 waves of 256 but 1.3 of 128: 1024x65536 logsumexp
-// 47.7 -> 53.0, argmax 46.8 -> 48.1). A fixed function of the shape, like the split counts, so
-// results do not depend on the device; the H100 sets the constants.
+// Threads of a row_block_kernel launch of `rows` rows in `splits` chunks of `chunk` elements:
+// row_block_threads, with two caps that depend on the launch, not only the chunk.
+// - Unsplit rows of 16-bit logsumexp, argmax and argmin (16-byte packs): these kernels hold 80
+//   registers, so 3 blocks of 256 fit an SM and 396 an H100. Between one and two such waves of rows
+//   (397-792, rows of >= 2048 elements), blocks of 128 (6 an SM) make every row resident at once
+//   instead of leaving a second, mostly empty wave. H100, session 22 runs 9-10, µs, 256 -> 128
+//   threads: logsumexp 512x131072 52.6 -> 47.5, 640x104857 50.6 -> 49.5, 768x87381 50.2 -> 49.7,
+//   512x50257 25.5 -> 22.3; argmax 50.5 -> 46.3, 52.1 -> 48.1, 51.2 -> 48.8, 22.7 -> 21.2;
+//   768x32768 equal. Not at 1024 rows (2.6 waves of 256 but 1.3 of 128: 1024x65536 logsumexp
+//   47.7 -> 53.0, argmax 46.8 -> 48.1).
+// - float32 logsumexp launches of >= 512 blocks (rows x chunks; more than one wave of 512-thread
+//   blocks, 2 an SM): at most 256 threads (64+ packs each) instead of 512. Session 22 run 13,
+//   same-run A/B, µs: 1024x65536 92.9 -> 91.3, 512x131072 91.3 -> 90.4, full 2^26 (1024
+//   chunks) 95.9 -> 94.3, full 2^26 - 1 96.1 -> 94.5. Smaller launches keep 512, which fill the
+//   one wave they are (256 lost: 64x2^20 in 256 chunks 93.6 -> 96.0, 256x262144 89.7 -> 92.2).
+// A fixed function of the shape, like the split counts, so results do not depend on the device;
+// the H100 sets the constants.
 constexpr int64_t kWave16 = 132 * 3;
 template <class Op, class T, int P>
-int unsplit_row_threads(int64_t rows, int64_t n) {
-  const int threads = row_block_threads<Op, T, P>(n);
+int row_launch_threads(int64_t rows, int64_t splits, int64_t chunk) {
+  const int threads = row_block_threads<Op, T, P>(chunk);
   constexpr bool k80 = P == 8 && sizeof(T) == 2 && (Op::kIndex || sizeof(typename Op::State) == 8);
-  return k80 && rows > kWave16 && rows <= 2 * kWave16 && threads > 128 ? 128 : threads;
+  constexpr bool f32_lse = sizeof(T) == 4 && !Op::kIndex && sizeof(typename Op::State) == 8;
+  if (k80 && splits == 1 && rows > kWave16 && rows <= 2 * kWave16) return threads > 128 ? 128 : threads;
+  if (f32_lse && rows * splits >= 512) return threads > 256 ? 256 : threads;
+  return threads;
 }
 
 // The packed arg loop's shared-memory ring (arg16_stream_ring) in row_block_kernel (kRing): aligned
