@@ -149,14 +149,15 @@ int row_block_threads(int64_t chunk) {
 //   512x50257 25.5 -> 22.3; argmax 50.5 -> 46.3, 52.1 -> 48.1, 51.2 -> 48.8, 22.7 -> 21.2;
 //   768x32768 equal. Not at 1024 rows (2.6 waves of 256 but 1.3 of 128: 1024x65536 logsumexp
 //   47.7 -> 53.0, argmax 46.8 -> 48.1).
-// - float32 logsumexp launches of >= 512 blocks (rows x chunks; more than one wave of 512-thread
-//   blocks, 2 an SM): at most 256 threads (64+ packs each) instead of 512. Session 22 run 13,
+// - float32 logsumexp launches of >= 512 blocks (rows x chunks; two or more waves of 512-thread
+//   blocks, 2 an SM, 264 an H100): at most 256 threads (64+ packs each) instead of 512. Session 22 run 13,
 //   same-run A/B, µs: 1024x65536 92.9 -> 91.3, 512x131072 91.3 -> 90.4, full 2^26 (1024
 //   chunks) 95.9 -> 94.3, full 2^26 - 1 96.1 -> 94.5. Smaller launches keep 512, which fill the
 //   one wave they are (256 lost: 64x2^20 in 256 chunks 93.6 -> 96.0, 256x262144 89.7 -> 92.2).
 // A fixed function of the shape, like the split counts, so results do not depend on the device;
 // the H100 sets the constants.
-constexpr int64_t kWave16 = 132 * 3;
+constexpr int64_t kPlanSms = 132;  // H100 SMs, as _PLAN_SMS in jaxops/_reductions.py
+constexpr int64_t kWave16 = kPlanSms * 3;
 template <class Op, class T, int P>
 int row_launch_threads(int64_t rows, int64_t splits, int64_t chunk) {
   const int threads = row_block_threads<Op, T, P>(chunk);

@@ -98,14 +98,9 @@ __device__ __forceinline__ void add_span_generic(typename Op::State& s, const T*
         for (int u = 0; u < U; ++u) add_pack(pk[u], c + u * stride);
       } else if (rem <= stride) {  // one pack: one load, not U (1024x50257: 24.5 packs a thread)
         add_pack(load_pack_v<T, P, V>(q), c);
-      } else {  // U * stride fits an int (<= 512 threads x 4 or 8 elements x U)
-        const int last = rem > (U - 1) * stride ? U - 1 : (static_cast<int>(rem) - 1) / static_cast<int>(stride);
-        const T* p = q;
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          pk[u] = load_pack_v<T, P, V>(p);
-          if (u < last) p += stride;
-        }
+      } else {
+        const int last = round_last<U>(rem, stride);
+        load_round(pk, q, stride, last, [](const T* a) { return load_pack_v<T, P, V>(a); });
         // The repeats add the identity, which leaves every state bit-identical (sum: the state is
         // never -0, so + 0 changes nothing; max/min: the NaN-propagating compare keeps it). Adding
         // it unconditionally keeps the last load in the round: under `if (u <= last)` ptxas moved
