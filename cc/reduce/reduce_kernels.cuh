@@ -83,8 +83,8 @@ __device__ __forceinline__ void emit(void* y, typename Op::State* ws, int64_t at
   }
 }
 
-// inner == 1, short rows: `group` lanes per row (a power of two, 2..32), 32 / group rows per
-// warp. Short rows get fewer lanes so each lane still has warp_lane_packs<Op, T, P>() packs
+// inner == 1, short rows: `group` lanes per row (a power of two, 2..32, warp_row_group), 32 / group
+// rows per warp. Short rows get fewer lanes so each lane still has ~warp_lane_packs<Op, T, P>() packs
 // (a 1024-long bf16 row is 128 packs: 16 lanes x 8, two rows per warp; a 128-long one 2 lanes x
 // 8, sixteen rows per warp). A warp load then covers 16 rows x 32 B: whole sectors, all used.
 // Sessions 1-8 kept >= 8 lanes for 128-byte segments a row, which left 128- and 256-column rows

@@ -52,9 +52,7 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
   const int64_t n = p.reduced;
   if (p.splits == 1 && warp_rows<Op, T, P>(n)) {
     constexpr int kWarps = 8;
-    const int64_t packs = (n + P - 1) / P;
-    int group = 32;
-    while (group > kMinRowLanes && static_cast<int64_t>(group) * warp_lane_packs<Op, T, P>() > packs) group /= 2;
+    const int group = warp_row_group<Op, T, P>((n + P - 1) / P);
     const int64_t rows_per_block = kWarps * (32 / group);
     return cuda::launch_kernel(row_warp_kernel<Op, T, P, V, kPeel>,
                                grid_for((p.outer + rows_per_block - 1) / rows_per_block), kWarps * 32, 0, stream, x, y,

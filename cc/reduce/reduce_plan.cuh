@@ -120,6 +120,33 @@ constexpr int warp_lane_packs() {
                                                                      : warp_unroll<Op, T, P>();
 }
 
+// Lanes of row_warp_kernel a row of `packs` packs gets (a power of two in [kMinRowLanes, 32]). Up
+// to session 22 every op halved the group while a lane would have fewer than warp_lane_packs
+// packs, so a row of 500 bf16 elements (63 packs) got 4 lanes of ~16 packs: a whole round, a
+// partial round and the second head/tail element, three latencies in a row. Sums, max and min
+// (4-byte states) and the packed 16-bit arg loop now take the smallest group that reads the row
+// in one round (8 lanes there). H100, session 23 run 2, µs, same build, old/new rule (XLA):
+// bf16 sum 131072x500 47.3 / 44.5 (43.2), 65536x1001 45.6 / 43.9 (44.4), 32768x2001 44.5 / 43.7;
+// float32 sum 131072x500 88.2 / 85.9 (85.3), 262144x250 92.4 / 87.4 (86.0); bf16 argmax
+// 131072x500 50.4 / 46.4. logsumexp (an expf a merge level) and float32 arg lost with more lanes
+// (float32 argmax 262144x250 89.7 / 98.1, bf16 logsumexp 32768x2001 47.8 / 50.4) and keep the
+// old rule. Rows whose packs are a power-of-two multiple of the unroll get the same group from both.
+template <class Op, class T, int P>
+constexpr bool warp_rows_one_round() {
+  return Op::kIndex ? arg16_types<Op, T, P>() : sizeof(typename Op::State) == 4;
+}
+template <class Op, class T, int P>
+int warp_row_group(int64_t packs) {
+  constexpr int64_t per_lane = warp_lane_packs<Op, T, P>();
+  int group = 32;
+  if constexpr (warp_rows_one_round<Op, T, P>()) {
+    while (group > kMinRowLanes && group / 2 * per_lane >= packs) group /= 2;
+  } else {
+    while (group > kMinRowLanes && group * per_lane > packs) group /= 2;
+  }
+  return group;
+}
+
 // Whether unsplit rows of n elements go to row_warp_kernel: those one warp reads in one round.
 template <class Op, class T, int P>
 bool warp_rows(int64_t n) {
