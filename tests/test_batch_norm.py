@@ -481,9 +481,13 @@ def test_gpu_resnet_shape(key, dtype):
 # shared memory: float16, channel counts whose warp stride is not a multiple of C (7, 1000:
 # coefficients looked up per chunk), a partial last block; (64,56,56,64) with its residual is just
 # past the residual limit (streaming kernels; without one test_gpu_resident_matches_streaming).
+# The statistics read 16-byte packs when C / P is a power of two <= 32 and C <= 128 (VecStats): one
+# pack column (C = 8 bf16), 8, 16 and 32 of them, a partial last block; C = 7 and 1000 take the scalar form.
 @gpu_only
 @pytest.mark.parametrize("shape,dtype", [((64, 56, 56, 64), jnp.bfloat16), ((16, 112, 112, 32), jnp.float16),
-                                         ((3, 70001, 7), jnp.float32), ((2000, 1000), jnp.bfloat16)])
+                                         ((3, 70001, 7), jnp.float32), ((2000, 1000), jnp.bfloat16),
+                                         ((6001, 8), jnp.bfloat16), ((3001, 128), jnp.float32),
+                                         ((1999, 128), jnp.bfloat16)])
 def test_gpu_resident_forward(key, shape, dtype):
     check_large_add_relu(key, shape, dtype)
 
@@ -586,6 +590,8 @@ def _probe(tmp_path, script, name, env):
 
     full = {k: v for k, v in os.environ.items() if k not in ("JAXOPS_BN_ELEMENT_LOADS", "JAXOPS_BN_RESIDENT")}
     full.update(env)
+    # The parent (pytest) may hold XLA's default 75 % of the GPU: the child allocates on demand.
+    full.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     path = tmp_path / f"{name}.npz"
     # cwd: `python -c` puts the working directory first on sys.path; from the repository root
     # the source jaxops/ would shadow the installed package.
