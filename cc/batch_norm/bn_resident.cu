@@ -219,6 +219,13 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
   const int j = threadIdx.x / C, c = threadIdx.x - j * C;
   const bool active = j < lanes;
   const float piv = active ? pivot_of(to_acc(x[c])) : 0.f;
+  // The block's partial of channel ch for the merge: shifted sum, shifted mean, M2.
+  const auto write_partial = [&](int ch, float sb, float mb, float m2) {
+    float* p = ws + blockIdx.x * 3 * int64_t(C) + ch;
+    p[0] = sb;
+    p[C] = mb;
+    p[2 * C] = m2;
+  };
   if constexpr (kVec) {
     const VecStats<T, P> vs(x, C);
     float* redf = reinterpret_cast<float*>(sm.red);
@@ -235,12 +242,7 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
       const float e = d - mk[k];
       return e * e;
     });
-    if (static_cast<int>(threadIdx.x) < C) {
-      float* p = ws + blockIdx.x * 3 * int64_t(C) + threadIdx.x;
-      p[0] = sb;
-      p[C] = mb;
-      p[2 * C] = m2;
-    }
+    if (static_cast<int>(threadIdx.x) < C) write_partial(threadIdx.x, sb, mb, m2);
   } else {
     float s = 0.f;
     __syncthreads();
@@ -259,12 +261,7 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
     __syncthreads();  // every thread has read red[c].s
     sm.red[threadIdx.x].m2 = m2;
     fold_lanes(sm.red, j, c, C, lanes, [](Moments& d, const Moments& o) { d.m2 += o.m2; });
-    if (active && j == 0) {
-      float* p = ws + blockIdx.x * 3 * int64_t(C) + c;
-      p[0] = sb;
-      p[C] = mb;
-      p[2 * C] = sm.red[c].m2;
-    }
+    if (active && j == 0) write_partial(c, sb, mb, sm.red[c].m2);
   }
   cooperative_groups::this_grid().sync();
 

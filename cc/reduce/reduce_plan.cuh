@@ -188,7 +188,7 @@ constexpr int64_t kWave16 = kPlanSms * 3;
 template <class Op, class T, int P>
 int row_launch_threads(int64_t rows, int64_t splits, int64_t chunk) {
   const int threads = row_block_threads<Op, T, P>(chunk);
-  constexpr bool k80 = P == 8 && sizeof(T) == 2 && (Op::kIndex || sizeof(typename Op::State) == 8);
+  constexpr bool k80 = arg16_types<Op, T, P>() || lse16_path<Op, T, P>();
   constexpr bool f32_lse = sizeof(T) == 4 && !Op::kIndex && sizeof(typename Op::State) == 8;
   if (k80 && splits == 1 && rows > kWave16 && rows <= 2 * kWave16) return threads > 128 ? 128 : threads;
   if (f32_lse && rows * splits >= 512) return threads > 256 ? 256 : threads;
