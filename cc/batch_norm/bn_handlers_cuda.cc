@@ -39,7 +39,7 @@ ffi::Error ApplyCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale
 }
 
 // Statistics and apply in one call: one cooperative kernel when x fits in shared memory
-// (bn_resident.cu), else the two streaming passes.
+// (bn_resident.cu) or when a slice of it does (bn_hybrid.cu), else the two streaming passes.
 ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
                        ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mask,
                        ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> var,
@@ -59,6 +59,12 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer sca
                                               bias.untyped_data(), res, y->untyped_data(), bits,
                                               mean->untyped_data(), var->untyped_data(), ws->untyped_data(), cap,
                                               eps, relu != 0, &launched))
+    return cuda_status(err, "batch_norm");
+  if (launched) return ffi::Error::Success();
+  if (cudaError_t err = hybrid_forward_cuda(stream, v, x.untyped_data(), scale.untyped_data(), bias.untyped_data(),
+                                            res, y->untyped_data(), bits, mean->untyped_data(),
+                                            var->untyped_data(), ws->untyped_data(), cap, coef->untyped_data(), eps,
+                                            relu != 0, &launched))
     return cuda_status(err, "batch_norm");
   if (launched) return ffi::Error::Success();
   if (cudaError_t err = stats_cuda(stream, v, x.untyped_data(), mean->untyped_data(), var->untyped_data(),

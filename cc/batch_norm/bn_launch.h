@@ -38,6 +38,14 @@ cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void
                                   const void* bias, const void* residual, void* y, uint32_t* mask, void* mean,
                                   void* var, void* ws, int64_t cap, double eps, bool relu, bool* launched);
 
+// The same in one cooperative kernel for a larger x whose channels come in 16-byte packs, C / P a
+// power of two (bn_hybrid.cu): a slice of rows stays in shared memory, the rest is read twice.
+// coef is a (4, C) float32 workspace. Sets *launched to false, launching nothing, for any other shape.
+cudaError_t hybrid_forward_cuda(cudaStream_t stream, const View& v, const void* x, const void* scale,
+                                const void* bias, const void* residual, void* y, uint32_t* mask, void* mean,
+                                void* var, void* ws, int64_t cap, void* coef, double eps, bool relu,
+                                bool* launched);
+
 // sum_dy, sum_dyxhat per channel (dy masked by the relu bit when relu); ws is (G, cap, 2, C).
 cudaError_t backward_reduce_cuda(cudaStream_t stream, const View& v, const void* dy, const void* x,
                                  const uint32_t* mask, const void* mean, const void* var, void* sum_dy,

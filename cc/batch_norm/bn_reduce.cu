@@ -161,55 +161,12 @@ stats_partial_kernel(const T* __restrict__ x, acc_t<T>* __restrict__ ws, int64_t
   __shared__ A s_mean[kThreads * P];
   __shared__ A s_m2[kThreads * P];
   const BlockPos b = block_pos(t, R, C);
-  A n = 0, sum[P], mean[P], m2[P], piv[P];
-#pragma unroll
-  for (int k = 0; k < P; ++k) sum[k] = mean[k] = m2[k] = piv[k] = 0;
-  // Welford update of one row (the < U rows after the last whole batch); rn = 1 / its count.
-  auto fold = [&](const cuda::Pack<T, P>& row, A rn) {
-    n += A(1);
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      const A xv = to_acc(row.v[k]) - piv[k];
-      sum[k] += xv;
-      const A d = xv - mean[k];
-      mean[k] += d * rn;
-      m2[k] += d * (xv - mean[k]);
-    }
-  };
-  // A whole batch of U rows folded as one Chan partial (f = U / (n + U), nf = n * f): each
-  // channel's U values are taken about the batch's first value x0, so sum (x - x0)^2 - e^2 / U
-  // (e = sum (x - x0)) loses at most a factor U + 1 of relative accuracy in the batch's M2
-  // (x0 is a value of the batch, so sum (x - x0)^2 <= (U + 1) M2), and there is no division and
-  // no row-to-row dependency chain (a Welford row costs a division and a serial mean update).
-  // Session 10, H100, (256,56,56,64): bf16 statistics 47.0 -> 45.5 us; float32 unchanged.
-  // Non-finite values make e or q inf and M2 NaN, as the Welford rows do (bn_moments.cuh).
-  auto fold_batch = [&](const cuda::Pack<T, P> (&v)[U], A f, A nf) {
-    n += A(U);
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      const A x0 = to_acc(v[0].v[k]) - piv[k];
-      A s = x0, q = 0;
-#pragma unroll
-      for (int u = 1; u < U; ++u) {
-        const A xv = to_acc(v[u].v[k]) - piv[k];
-        s += xv;
-        const A d = xv - x0;
-        q += d * d;
-      }
-      sum[k] += s;
-      const A e = s - A(U) * x0;  // sum of (x - x0)
-      const A mb = x0 + e * (A(1) / A(U));
-      const A m2b = q - e * e * (A(1) / A(U));
-      const A dm = mb - mean[k];
-      mean[k] += dm * f;
-      m2[k] += m2b + dm * dm * nf;
-    }
-  };
+  RowMoments<A, P> rm;  // Welford rows and Chan batches of U rows (bn_moments.cuh)
   if (b.active) {
     const T* xg = x + b.g * R * C + b.c0;
     const cuda::Pack<T, P> first = load_channels<T, P, kVec>(xg);  // row 0 of the group: the pivots
 #pragma unroll
-    for (int k = 0; k < P; ++k) piv[k] = pivot_of(to_acc(first.v[k]));
+    for (int k = 0; k < P; ++k) rm.piv[k] = pivot_of(to_acc(first.v[k]));
     const int64_t step = t.ty;
     int64_t r = b.r0 + b.ty;
     // Whole batches of U rows, every load issued before the first fold. With a `break` in the
@@ -219,18 +176,17 @@ stats_partial_kernel(const T* __restrict__ x, acc_t<T>* __restrict__ ws, int64_t
       cuda::Pack<T, P> v[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) v[u] = load_channels<T, P, kVec>(xg + (r + u * step) * C);
-      const A f = A(U) / (n + A(U));
-      fold_batch(v, f, n * f);
+      rm.fold_batch(v);
     }
-    for (; r < b.r1; r += step) fold(load_channels<T, P, kVec>(xg + r * C), A(1) / (n + A(1)));  // < U rows left
+    for (; r < b.r1; r += step) rm.fold(load_channels<T, P, kVec>(xg + r * C));  // < U rows left
   }
   const int tid = threadIdx.x;
-  s_n[tid] = n;
+  s_n[tid] = rm.n;
 #pragma unroll
   for (int k = 0; k < P; ++k) {
-    s_sum[tid * P + k] = sum[k];
-    s_mean[tid * P + k] = mean[k];
-    s_m2[tid * P + k] = m2[k];
+    s_sum[tid * P + k] = rm.sum[k];
+    s_mean[tid * P + k] = rm.mean[k];
+    s_m2[tid * P + k] = rm.m2[k];
   }
   for (int s = tree_start(t.ty); s > 0; s /= 2) {
     __syncthreads();

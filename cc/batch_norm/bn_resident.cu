@@ -26,6 +26,7 @@
 #include "batch_norm/bn_launch.h"
 #include "batch_norm/bn_math.h"
 #include "batch_norm/bn_moments.cuh"
+#include "batch_norm/bn_resident.cuh"
 #include "batch_norm/bn_test_hooks.h"
 #include "common/bitmask.cuh"
 #include "common/cuda_util.cuh"
@@ -38,65 +39,9 @@ using cuda::acc_t;
 using cuda::from_acc;
 using cuda::to_acc;
 
-constexpr int kThreads = 1024;  // one block per SM: its shared memory holds the slice
-constexpr int kWarps = kThreads / 32;
-constexpr int kLoadUnroll = 4;  // 16-byte packs a thread loads before it stores them: 64 KB in flight per SM
-constexpr int kMaxChannels = kThreads;
+using namespace resident;  // kThreads, Smem, load_slice, apply_pack, merge_partials (bn_resident.cuh)
+
 constexpr int64_t kResidualMaxElems = 64 * 1024;  // see resident_forward_cuda
-
-using Moments = batch_norm::Moments<float>;  // a block's partial of one channel (bn_moments.cuh)
-
-// The shared-memory layout: C coefficient records, the reduction scratch, then the slice.
-struct Smem {
-  float4* coef;  // {shift, a, b, unused} per channel
-  Moments* red;  // kThreads entries: thread (j, c) at j * C + c
-  unsigned char* data;
-};
-
-__host__ __device__ constexpr size_t smem_head(int64_t C) {
-  return static_cast<size_t>(C) * sizeof(float4) + kThreads * sizeof(Moments);
-}
-
-__device__ __forceinline__ Smem smem_layout(int64_t C) {
-  extern __shared__ __align__(16) unsigned char bn_res_smem[];
-  Smem s;
-  s.coef = reinterpret_cast<float4*>(bn_res_smem);
-  s.red = reinterpret_cast<Moments*>(bn_res_smem + C * sizeof(float4));
-  s.data = bn_res_smem + smem_head(C);
-  return s;
-}
-
-// Folds red[j * C + c] over j < lanes (a power of two) into red[c], in a fixed tree order.
-// Every thread of the block must call it (it synchronises).
-template <class Fold>
-__device__ __forceinline__ void fold_lanes(Moments* red, int j, int c, int C, int lanes, Fold fold) {
-  for (int s = lanes / 2; s > 0; s /= 2) {
-    __syncthreads();
-    if (j < s) fold(red[j * C + c], red[(j + s) * C + c]);
-  }
-  __syncthreads();
-}
-
-// Copies the n elements at src into shared memory: 16-byte packs, kLoadUnroll of them in flight
-// per thread, then the (last block's) tail element by element.
-template <class T, int P>
-__device__ __forceinline__ void load_slice(const T* __restrict__ src, T* __restrict__ dst, int n) {
-  const int packs = n / P;
-  for (int p0 = threadIdx.x; p0 < packs; p0 += kThreads * kLoadUnroll) {
-    uint4 w[kLoadUnroll];
-#pragma unroll
-    for (int u = 0; u < kLoadUnroll; ++u) {
-      const int p = p0 + u * kThreads;
-      if (p < packs) w[u] = __ldg(reinterpret_cast<const uint4*>(src) + p);
-    }
-#pragma unroll
-    for (int u = 0; u < kLoadUnroll; ++u) {
-      const int p = p0 + u * kThreads;
-      if (p < packs) reinterpret_cast<uint4*>(dst)[p] = w[u];
-    }
-  }
-  for (int i = packs * P + threadIdx.x; i < n; i += kThreads) dst[i] = src[i];
-}
 
 // kVec block statistics: thread t reads 16-byte packs of column pc = t % Q (channels pc * P ...,
 // Q = C / P a power of two <= 32) from rows t / Q, t / Q + L, ... (L = kThreads / Q), folds its P
@@ -154,48 +99,7 @@ struct VecStats {
 // and the 32 warps' partials (32 * C floats) fit the reduction scratch.
 __host__ __device__ constexpr bool vec_stats_fit(int64_t C, int P) {
   return C % P == 0 && ((C / P) & (C / P - 1)) == 0 && C / P <= 32 &&
-         kWarps * C * sizeof(float) <= kThreads * sizeof(Moments);
-}
-
-// y = act((x - shift) * a + b (+ res)) for the lane's P elements at local index i0 (< n), and
-// the predicate bits (bit k: element i0 + k is positive; 0 past the end).
-template <class T, int P>
-__device__ __forceinline__ uint32_t apply_pack(const T* __restrict__ xs, const T* __restrict__ res,
-                                               T* __restrict__ y, const float (&sh)[P], const float (&a)[P],
-                                               const float (&b)[P], int i0, int n, bool relu) {
-  const bool full = i0 + P <= n;
-  T v[P], r[P];
-  if (full) {
-    const uint4 w = *reinterpret_cast<const uint4*>(xs + i0);  // one 16-byte shared load
-    memcpy(&v, &w, sizeof(v));
-    if (res) cuda::load_vec<T, P>(res + i0, r);
-  } else {
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      v[k] = i0 + k < n ? xs[i0 + k] : from_acc<T>(0.f);
-      r[k] = res && i0 + k < n ? res[i0 + k] : from_acc<T>(0.f);
-    }
-  }
-  uint32_t bits = 0;
-#pragma unroll
-  for (int k = 0; k < P; ++k) {
-    float z = (to_acc(v[k]) - sh[k]) * a[k] + b[k];  // the streaming apply's formula (bn_elementwise.cu)
-    if (res) z += to_acc(r[k]);
-    if (relu) {
-      const bool pos = z > 0.f && i0 + k < n;
-      bits |= static_cast<uint32_t>(pos) << k;
-      if (!(z > 0.f || z != z)) z = 0.f;  // NaN propagates like jax.nn.relu
-    }
-    v[k] = from_acc<T>(z);
-  }
-  if (full) {
-    cuda::store_vec<T, P>(y + i0, v);
-  } else {
-#pragma unroll
-    for (int k = 0; k < P; ++k)
-      if (i0 + k < n) y[i0 + k] = v[k];
-  }
-  return bits;
+         kWarps * C * sizeof(float) <= kThreads * sizeof(FMoments);
 }
 
 // kFixed: the warp stride (kWarps * 32 * P elements) is a multiple of C, so a lane meets the same
@@ -249,7 +153,7 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
     if (active)
       for (int r = j; r < rows; r += lanes) s += to_acc(xs[r * C + c]) - piv;
     sm.red[threadIdx.x].s = s;
-    fold_lanes(sm.red, j, c, C, lanes, [](Moments& d, const Moments& o) { d.s += o.s; });
+    fold_lanes(sm.red, j, c, C, lanes, [](FMoments& d, const FMoments& o) { d.s += o.s; });
     const float sb = active ? sm.red[c].s : 0.f;
     const float mb = sb / static_cast<float>(rows);
     float m2 = 0.f;
@@ -260,33 +164,13 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
       }
     __syncthreads();  // every thread has read red[c].s
     sm.red[threadIdx.x].m2 = m2;
-    fold_lanes(sm.red, j, c, C, lanes, [](Moments& d, const Moments& o) { d.m2 += o.m2; });
+    fold_lanes(sm.red, j, c, C, lanes, [](FMoments& d, const FMoments& o) { d.m2 += o.m2; });
     if (active && j == 0) write_partial(c, sb, mb, sm.red[c].m2);
   }
   cooperative_groups::this_grid().sync();
 
-  // Every block merges all partials the same way: thread j folds blocks j, j + lanes, ... in
-  // order, then the fixed tree over j.
-  Moments v{0.f, 0.f, 0.f, 0.f};
-  if (active)
-    for (int64_t bk = j; bk < gridDim.x; bk += lanes) {
-      const float* p = ws + bk * 3 * int64_t(C) + c;  // written in this launch: not through __ldg
-      v.merge(Moments{static_cast<float>(min(rpb, R - bk * rpb)), __ldcg(p), __ldcg(p + C), __ldcg(p + 2 * C)});
-    }
-  __syncthreads();
-  sm.red[threadIdx.x] = v;
-  fold_lanes(sm.red, j, c, C, lanes, [](Moments& d, const Moments& o) { d.merge(o); });
-  if (active && j == 0) {
-    const Moments t = sm.red[c];
-    const float mean = t.mean(piv), var = t.var();
-    if (blockIdx.x == 0) {
-      mean_out[c] = mean;
-      var_out[c] = var;
-    }
-    const Coef<float> q = forward_coef<float>(scale[c], bias[c], mean, var, eps);
-    sm.coef[c] = make_float4(q.shift, q.a, q.b, 0.f);
-  }
-  __syncthreads();
+  merge_partials(x, ws, scale, bias, mean_out, var_out, sm, C, lanes, eps,
+                 [&](int64_t bk) { return static_cast<float>(min(rpb, R - bk * rpb)); });
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   constexpr int kChunk = 32 * P;
@@ -325,9 +209,6 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
   }
 }
 
-// Unlike bn_elementwise.cu's aligned16 this ignores JAXOPS_BN_ELEMENT_LOADS: the kernel has no
-// element-load twin (the alignment test runs with JAXOPS_BN_RESIDENT=0).
-bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 int pow2_floor(int v) {
   int p = 1;
@@ -383,19 +264,8 @@ cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void
       float ef = static_cast<float>(eps);
       bool re = relu, with_mask = v.mask_words > 0;
       void* args[] = {&xt, &sc, &bi, &rt, &yt, &mask, &mo, &vo, &wt, &rows, &ci, &rpb, &li, &ef, &re, &with_mask};
-      // Cooperative: the launch fails rather than start a grid whose blocks cannot all be
-      // resident at once (the grid barrier would wait forever).
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(static_cast<unsigned>(blocks));
-      config.blockDim = dim3(kThreads);
-      config.dynamicSmemBytes = smem;
-      config.stream = stream;
-      cudaLaunchAttribute attr;
-      attr.id = cudaLaunchAttributeCooperative;
-      attr.val.cooperative = 1;
-      config.attrs = &attr;
-      config.numAttrs = 1;
-      if (cudaError_t err = cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(kernel), args)) return err;
+      if (cudaError_t err = launch_cooperative(reinterpret_cast<const void*>(kernel), blocks, smem, stream, args))
+        return err;
       *launched = true;
     }
     return cudaSuccess;

@@ -19,9 +19,9 @@ inline bool force_element_loads() {
   return on;
 }
 
-// JAXOPS_BN_RESIDENT=0 (read once per process) turns off the one-kernel training forward for
-// inputs that fit in shared memory (bn_resident.cu), so tests and benchmarks can run the
-// streaming kernels on those shapes too.
+// JAXOPS_BN_RESIDENT=0 (read once per process) turns off the one-kernel training forwards
+// (bn_resident.cu, bn_hybrid.cu), so tests and benchmarks can run the streaming kernels on
+// those shapes too.
 inline bool resident_path_disabled() {
   static const bool off = [] {
     const char* e = std::getenv("JAXOPS_BN_RESIDENT");

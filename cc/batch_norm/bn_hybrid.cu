@@ -1,0 +1,336 @@
+// Training forward of batch_norm in one cooperative kernel for inputs larger than the GPU's shared
+// memory: each block (one per SM) keeps a slice of x's rows in shared memory and streams a span
+// of the others. The streaming path (statistics kernel, merge, apply kernel) reads all of x twice;
+// here the slices (about 28 MB on an H100: 14 % of float32 (256,56,56,64), 55 % of bfloat16
+// (128,28,28,256)) are read once. Session 14 measured that path at 2.84 TB/s of DRAM traffic for
+// float32 (256,56,56,64), the copy's rate being 3.02: reaching 1.3x XLA there (<= 215 us) needs
+// fewer bytes, not a faster stream.
+//
+// Phase 1: every block copies its slice into shared memory and reads its span, folding both into
+// per-thread partial statistics as the 16-byte packs arrive (a separate pass over the slice
+// would leave DRAM idle), then folds the threads' partials (fold_block). Grid barrier, merge
+// (merge_spread, one more barrier). Phase 2: the span is read again, last chunk first (its end,
+// read last in phase 1, is still in L2), and normalised; then the slice, from shared memory.
+//
+// The layout that makes the statistics cheap: a thread loads packs t, t + kThreads, ... of a
+// row-aligned run, and kThreads * P is a multiple of C, so every pack a thread reads holds the
+// same P channels (C / P a power of two; other channel counts take the streaming kernels).
+//
+// Measured (H100, session 24, same-run against the streaming path, us): BN+ReLU float32
+// (256,56,56,64) 220.1 -> 215.4 (XLA 279.0), (128,28,28,256) 118.6 -> 108.0, (64,56,56,64)
+// 66.0 -> 52.0; bfloat16 (256,56,56,64) 120.3 -> 116.7, (128,28,28,256) 67.2 -> 60.8. Phase
+// times of float32 (256,56,56,64) (%globaltimer, no chain, forward span order): slice 14.8, span
+// 60.2, fold 3.7, barrier 2.5, merge 4.7, apply span 115.6 (3.1 TB/s), apply slice 8.8.
+#include <cooperative_groups.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+
+#include "batch_norm/bn_launch.h"
+#include "batch_norm/bn_math.h"
+#include "batch_norm/bn_moments.cuh"
+#include "batch_norm/bn_resident.cuh"
+#include "batch_norm/bn_test_hooks.h"
+#include "common/bitmask.cuh"
+#include "common/cuda_util.cuh"
+#include "common/launch.cuh"
+
+namespace jaxops::batch_norm {
+namespace {
+
+using cuda::from_acc;
+using cuda::to_acc;
+using namespace resident;
+
+// 16-byte packs a thread has in flight while it folds statistics (float32 64 KB an SM; 16-bit
+// types 32 KB: their 8 channels' partials leave no registers for more under the 64 a thread)
+// and while it normalises (float32 without a residual 64 KB, else 32 KB plus the residual's).
+template <class T>
+constexpr int stats_unroll() {
+  return sizeof(T) == 4 ? 4 : 2;
+}
+template <class T, bool kRes>
+constexpr int apply_unroll() {
+  return sizeof(T) == 4 && !kRes ? 4 : 2;
+}
+
+template <class T, int P>
+using Row = cuda::Pack<T, P>;
+
+// Folds packs threadIdx.x, + kThreads, ... of the `packs`-pack run at src into rm; kCopy also
+// stores them at dst (the shared slice). All loads of a batch are issued before it is folded.
+template <class T, int P, bool kCopy>
+__device__ __forceinline__ void fold_run(const T* __restrict__ src, T* __restrict__ dst, int64_t packs,
+                                         RowMoments<float, P>& rm) {
+  constexpr int kStatsUnroll = stats_unroll<T>();
+  const Row<T, P>* s = reinterpret_cast<const Row<T, P>*>(src);
+  int64_t p = threadIdx.x;
+  for (; p + (kStatsUnroll - 1) * kThreads < packs; p += kStatsUnroll * kThreads) {
+    Row<T, P> v[kStatsUnroll];
+#pragma unroll
+    for (int u = 0; u < kStatsUnroll; ++u) {
+      const uint4 w = __ldg(reinterpret_cast<const uint4*>(s + p + u * kThreads));
+      memcpy(&v[u], &w, 16);
+    }
+    if constexpr (kCopy) {
+#pragma unroll
+      for (int u = 0; u < kStatsUnroll; ++u) reinterpret_cast<Row<T, P>*>(dst)[p + u * kThreads] = v[u];
+    }
+    rm.fold_batch(v);
+  }
+  for (; p < packs; p += kThreads) {
+    Row<T, P> v;
+    const uint4 w = __ldg(reinterpret_cast<const uint4*>(s + p));
+    memcpy(&v, &w, 16);
+    if constexpr (kCopy) reinterpret_cast<Row<T, P>*>(dst)[p] = v;
+    rm.fold(v);
+  }
+}
+
+// Folds every thread's partial into the block's and writes it to the block's workspace slot, in
+// a fixed order. Thread t holds row t / Q of pack column t % Q (Q = C / P); H = kThreads / C rows
+// of all C channels fill the scratch (kThreads records). In round r the threads of rows r * H ...
+// (a contiguous kThreads / P of them) store their P channels, and thread (j, c) = (t / C, t % C)
+// merges row r * H + j of channel c into its own partial: P rounds, then a tree over j. The
+// records sit at c ^ ((c / P) % 8) within a row, so a storing warp's lanes (c = lane * P + k)
+// spread over the banks; the readers read a permutation of consecutive records.
+// The fold is issue-bound: with 1024 threads every instruction a thread runs costs the SM about 8
+// cycles. H100, session 24: a tree over 32 warp holders in chunks of channels (a thread merging
+// up to 5 times a chunk, whole warps issuing the stores of 4 lanes) took 4.7 us at float32 C = 64
+// and 19.4 us at bfloat16 C = 256, a kernel without the fold 1.2 us.
+template <int P>
+__device__ __forceinline__ void fold_block(const RowMoments<float, P>& rm, FMoments* red, float* __restrict__ ws,
+                                           int C) {
+  const int Q = C / P, H = kThreads / C, writers = kThreads / P;
+  const int swz = min(C, 8) - 1;  // C is a power of two
+  const int j = threadIdx.x / C, c = threadIdx.x % C;
+  FMoments acc{0.f, 0.f, 0.f, 0.f};
+  for (int r = 0; r < P; ++r) {
+    __syncthreads();  // the previous round's readers are done
+    const int w = static_cast<int>(threadIdx.x) - r * writers;
+    if (w >= 0 && w < writers) {  // warp-uniform
+      const int row = w / Q, ch = (threadIdx.x % Q) * P;
+#pragma unroll
+      for (int k = 0; k < P; ++k) red[row * C + ((ch + k) ^ ((ch / P) & swz))] = rm.channel(k);
+    }
+    __syncthreads();
+    acc.merge(red[j * C + (c ^ ((c / P) & swz))]);
+  }
+  __syncthreads();
+  red[threadIdx.x] = acc;
+  fold_lanes(red, j, c, C, H, [](FMoments& d, const FMoments& o) { d.merge(o); });
+  if (j == 0) {
+    float* p = ws + blockIdx.x * 3 * int64_t(C) + c;
+    p[0] = red[c].s;
+    p[C] = red[c].m;
+    p[2 * C] = red[c].m2;
+  }
+}
+
+// y, and the mask words, for the n elements (whole P-packs, starting on a row and a mask word) at
+// src: global memory for the span, shared for the slice. The warp stride is a multiple of C, so a
+// lane's coefficients stay in registers. `reverse` walks the warp's chunks last first (the span:
+// session 24, float32 (256,56,56,64) 218.4 -> 215.4 us, (128,28,28,256) 111.5 -> 108.0).
+template <class T, int P, bool kRes>
+__device__ __forceinline__ void apply_run(const T* src, const T* __restrict__ res, T* __restrict__ y,
+                                          uint32_t* __restrict__ mask, int64_t n, const float4* coef, int C,
+                                          bool relu, bool with_mask, bool reverse) {
+  constexpr int kApplyUnroll = apply_unroll<T, kRes>();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  constexpr int kChunk = 32 * P;
+  constexpr int64_t kStride = int64_t(kWarps) * kChunk;
+  float sh[P], a[P], b[P];
+  const int cl = (warp * kChunk + lane * P) % C;
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const float4 q = coef[cl + k];
+    sh[k] = q.x;
+    a[k] = q.y;
+    b[k] = q.z;
+  }
+  const int64_t first = warp * kChunk;
+  const int64_t chunks = first < n ? (n - first + kStride - 1) / kStride : 0;  // this warp's
+  for (int64_t g = 0; g < chunks; g += kApplyUnroll) {  // warp-uniform bounds
+    T v[kApplyUnroll][P], r[kApplyUnroll][P];
+    int64_t ic[kApplyUnroll];  // the chunk's first element; -1 past the warp's last chunk
+#pragma unroll
+    for (int u = 0; u < kApplyUnroll; ++u) {
+      ic[u] = g + u < chunks ? first + (reverse ? chunks - 1 - g - u : g + u) * kStride : -1;
+      const int64_t i0 = ic[u] + lane * P;
+      if (ic[u] >= 0 && i0 < n) {
+        const uint4 w = *reinterpret_cast<const uint4*>(src + i0);
+        memcpy(&v[u], &w, 16);
+        if constexpr (kRes) cuda::load_vec<T, P>(res + i0, r[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kApplyUnroll; ++u) {
+      if (ic[u] >= 0) {
+        const int64_t i0 = ic[u] + lane * P;
+        uint32_t bits = 0;
+        if (i0 < n) {
+          bits = normalize_pack<T, P>(v[u], r[u], kRes, sh, a, b, P, relu);
+          cuda::store_vec<T, P>(y + i0, v[u]);
+        }
+        if (with_mask) {
+          const uint32_t word = cuda::warp_mask_words<P>(bits);
+          const int64_t w = ic[u] / 32 + lane;
+          if (lane < P && w * 32 < n) mask[w] = word;
+        }
+      }
+    }
+  }
+}
+
+// The merge spread over the grid (the resident kernel's merge_partials has every block fold all
+// partials, C / lanes of them one after another: at C = 256, 33 dependent L2 round trips a
+// thread; H100, session 24: 5 us for the whole merge here, both barriers included). Block b merges the
+// channels of rounds b, b + G, ... (per channels a round): thread (j, cs) loads block j's partial
+// of channel cs, then a fixed tree over j; thread j = 0 writes the channel's mean, var and
+// coefficients. A second grid barrier, then every block loads the C coefficients. The order of
+// the merges depends only on the grid size, as before.
+template <class T, class Count>
+__device__ __forceinline__ void merge_spread(const T* __restrict__ x, const float* ws, const float* __restrict__ scale,
+                                             const float* __restrict__ bias, float* __restrict__ mean_out,
+                                             float* __restrict__ var_out, float4* coef_g, const Smem& sm, int C,
+                                             float eps, Count count) {
+  const int G = gridDim.x;
+  int gp = 1;
+  while (gp < G) gp *= 2;
+  const int per = kThreads / gp;  // channels a round (the host keeps G <= kThreads)
+  const int j = threadIdx.x / per, cs = threadIdx.x % per;
+  for (int c0 = blockIdx.x * per; c0 < C; c0 += G * per) {  // block-uniform bounds
+    const int c = c0 + cs;
+    FMoments v{0.f, 0.f, 0.f, 0.f};
+    if (c < C && j < G) {
+      const float* p = ws + j * 3 * int64_t(C) + c;  // written in this launch: not through __ldg
+      v = FMoments{count(j), __ldcg(p), __ldcg(p + C), __ldcg(p + 2 * C)};
+    }
+    __syncthreads();  // the previous round's reads of red are done
+    sm.red[threadIdx.x] = v;
+    fold_lanes(sm.red, j, cs, per, gp, [](FMoments& d, const FMoments& o) { d.merge(o); });
+    if (j == 0 && c < C) {
+      const FMoments t = sm.red[cs];
+      const float mean = t.mean(pivot_of(to_acc(x[c]))), var = t.var();
+      mean_out[c] = mean;
+      var_out[c] = var;
+      const Coef<float> q = forward_coef<float>(scale[c], bias[c], mean, var, eps);
+      coef_g[c] = make_float4(q.shift, q.a, q.b, 0.f);
+    }
+  }
+  cooperative_groups::this_grid().sync();
+  for (int c = threadIdx.x; c < C; c += kThreads) sm.coef[c] = __ldcg(coef_g + c);
+  __syncthreads();
+}
+
+// Rows: block b keeps rows [b * rpb, (b + 1) * rpb) (clipped to R) in shared memory and streams
+// rows [S0 + b * spb, S0 + (b + 1) * spb) (clipped), S0 = min(R, gridDim.x * rpb). rpb and spb
+// are multiples of q = 32 / gcd(C, 32), so every run starts on a mask word and a 16-byte pack.
+struct Split {
+  int64_t R, rpb, spb;
+  __device__ __forceinline__ int64_t slice_rows(int64_t bk) const { return max(int64_t(0), min(rpb, R - bk * rpb)); }
+  __device__ __forceinline__ int64_t span_r0(int64_t bk) const { return min(R, gridDim.x * rpb) + bk * spb; }
+  __device__ __forceinline__ int64_t span_rows(int64_t bk) const {
+    return max(int64_t(0), min(spb, R - span_r0(bk)));
+  }
+};
+
+template <class T, int P>
+__global__ void __launch_bounds__(kThreads, 1)
+hybrid_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale, const float* __restrict__ bias,
+                      const T* __restrict__ res, T* __restrict__ y, uint32_t* __restrict__ mask,
+                      float* __restrict__ mean_out, float* __restrict__ var_out, float* __restrict__ ws,
+                      float4* __restrict__ coef_g, Split sp, int C, float eps, bool relu, bool with_mask) {
+  cuda::enter_kernel();
+  const Smem sm = smem_layout(C);
+  T* xs = reinterpret_cast<T*>(sm.data);
+  const int64_t e0 = blockIdx.x * sp.rpb * C, n0 = sp.slice_rows(blockIdx.x) * C;
+  const int64_t e1 = sp.span_r0(blockIdx.x) * C, n1 = sp.span_rows(blockIdx.x) * C;
+
+  RowMoments<float, P> rm;
+  const int Q = C / P, ch = (threadIdx.x % Q) * P;
+#pragma unroll
+  for (int k = 0; k < P; ++k) rm.piv[k] = pivot_of(to_acc(x[ch + k]));
+  fold_run<T, P, true>(x + e0, xs, n0 / P, rm);
+  fold_run<T, P, false>(x + e1, nullptr, n1 / P, rm);
+  fold_block<P>(rm, sm.red, ws, C);
+  cooperative_groups::this_grid().sync();
+
+  merge_spread(x, ws, scale, bias, mean_out, var_out, coef_g, sm, C, eps,
+               [&](int64_t bk) { return static_cast<float>(sp.slice_rows(bk) + sp.span_rows(bk)); });
+  if (res) {
+    apply_run<T, P, true>(x + e1, res + e1, y + e1, mask + e1 / 32, n1, sm.coef, C, relu, with_mask, true);
+    apply_run<T, P, true>(xs, res + e0, y + e0, mask + e0 / 32, n0, sm.coef, C, relu, with_mask, false);
+  } else {
+    apply_run<T, P, false>(x + e1, nullptr, y + e1, mask + e1 / 32, n1, sm.coef, C, relu, with_mask, true);
+    apply_run<T, P, false>(xs, nullptr, y + e0, mask + e0 / 32, n0, sm.coef, C, relu, with_mask, false);
+  }
+}
+
+}  // namespace
+
+cudaError_t hybrid_forward_cuda(cudaStream_t stream, const View& v, const void* x, const void* scale,
+                                const void* bias, const void* residual, void* y, uint32_t* mask, void* mean,
+                                void* var, void* ws, int64_t cap, void* coef, double eps, bool relu,
+                                bool* launched) {
+  *launched = false;
+  const int64_t R = v.rows, C = v.channels;
+  if (resident_path_disabled() || v.groups != 1 || v.f64 || R < 1 || C < 1 || C > kMaxChannels) return cudaSuccess;
+  const int P = v.dtype == Dtype::kF32 ? 4 : 8;
+  if (C % P != 0 || ((C / P) & (C / P - 1)) != 0) return cudaSuccess;
+  if (!aligned(x) || !aligned(y) || (residual && !aligned(residual))) return cudaSuccess;
+  cuda::DeviceInfo dev;
+  if (cudaError_t err = cuda::device_info(&dev)) return err;
+  const int64_t blocks = dev.sm_count;
+  if (blocks < 1 || blocks > kThreads || cap < blocks) return cudaSuccess;
+  const size_t esize = v.dtype == Dtype::kF32 ? 4 : 2;
+  const int64_t q = 32 / std::gcd<int64_t>(C, 32);
+  // The largest slice shared memory holds, in whole mask words.
+  const int64_t room = (static_cast<int64_t>(dev.max_smem_optin) - static_cast<int64_t>(smem_head(C))) /
+                       (C * static_cast<int64_t>(esize));
+  const int64_t rpb = room / q * q;
+  // Inputs that fit go to the resident kernel (or, with a residual past its limit, to the
+  // streaming kernels: this kernel was slower there, bfloat16 (64,56,56,64) 53.7 against 43.1 us).
+  if (rpb < q || R <= blocks * rpb) return cudaSuccess;
+  // With a residual the apply reads two streams and this kernel has half the bytes in flight of
+  // the streaming apply: it lost with the slices holding less than a third of the rows (H100,
+  // session 24, BN+Add+ReLU: float32 (256,56,56,64), 14 %: 287.8 against 281.0 us; bfloat16, 28 %:
+  // 152.4 against 151.3) and won above (float32 (64,56,56,64), 55 %: 71.9 against 80.1).
+  if (residual && 3 * blocks * rpb < R) return cudaSuccess;
+  const int64_t S = R - std::min(R, blocks * rpb);
+  const int64_t spb = cuda::ceil_div(cuda::ceil_div(S, blocks), q) * q;
+  const size_t smem = smem_head(C) + static_cast<size_t>(rpb * C) * esize;
+  auto go = [&](auto tag) -> cudaError_t {
+    using T = decltype(tag);
+    if constexpr (sizeof(T) <= 4) {
+      constexpr int kP = 16 / sizeof(T);
+      auto kernel = hybrid_forward_kernel<T, kP>;
+      if (cuda::resident_clusters(kernel, kThreads, smem, 1, dev) < blocks) return cudaSuccess;
+      const T* xt = static_cast<const T*>(x);
+      const float* sc = static_cast<const float*>(scale);
+      const float* bi = static_cast<const float*>(bias);
+      const T* rt = static_cast<const T*>(residual);
+      T* yt = static_cast<T*>(y);
+      float* mo = static_cast<float*>(mean);
+      float* vo = static_cast<float*>(var);
+      float* wt = static_cast<float*>(ws);
+      float4* cg = static_cast<float4*>(coef);
+      Split sp{R, rpb, spb};
+      int ci = static_cast<int>(C);
+      float ef = static_cast<float>(eps);
+      bool re = relu, with_mask = v.mask_words > 0;
+      void* args[] = {&xt, &sc, &bi, &rt, &yt, &mask, &mo, &vo, &wt, &cg, &sp, &ci, &ef, &re, &with_mask};
+      if (cudaError_t err = launch_cooperative(reinterpret_cast<const void*>(kernel), blocks, smem, stream, args))
+        return err;
+      *launched = true;
+    }
+    return cudaSuccess;
+  };
+  JAXOPS_DISPATCH_FLOAT(v.dtype, T, {
+    if (cudaError_t err = go(T{})) return err;
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace jaxops::batch_norm
