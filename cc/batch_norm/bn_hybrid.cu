@@ -183,13 +183,13 @@ __device__ __forceinline__ void apply_run(const T* src, const T* __restrict__ re
   }
 }
 
-// The merge spread over the grid (the resident kernel's merge_partials has every block fold all
-// partials, C / lanes of them one after another: at C = 256, 33 dependent L2 round trips a
-// thread; H100, session 24: 5 us for the whole merge here, both barriers included). Block b merges the
-// channels of rounds b, b + G, ... (per channels a round): thread (j, cs) loads block j's partial
-// of channel cs, then a fixed tree over j; thread j = 0 writes the channel's mean, var and
-// coefficients. A second grid barrier, then every block loads the C coefficients. The order of
-// the merges depends only on the grid size, as before.
+// The merge spread over the grid (the resident kernel has every block fold all partials, C / lanes
+// of them one after another: at C = 256, 33 dependent L2 round trips a thread; H100, session 24:
+// 5 us for the whole merge here, both barriers included). Block b merges the channels of rounds
+// b, b + G, ... (per channels a round): thread (j, cs) loads block j's partial of channel cs, then
+// a fixed tree over j; thread j = 0 writes the channel's mean, var and coefficients. A second grid
+// barrier, then every block loads the C coefficients. The order of the merges depends only on the
+// grid size, as before.
 template <class T, class Count>
 __device__ __forceinline__ void merge_spread(const T* __restrict__ x, const float* ws, const float* __restrict__ scale,
                                              const float* __restrict__ bias, float* __restrict__ mean_out,
