@@ -253,6 +253,22 @@ def _backward_dx(dy2, x2, mask, scale, mean, var, sum_dy, sum_dyxhat, dmean, dva
     return dx, (dres if has_res else None)
 
 
+def _backward_fused(dy2, x2, mask, scale, mean, var, dmean, dvar, eps, relu_on, has_res):
+    """The training backward in one custom call (on a GPU one kernel with a slice of dy and x in
+    shared memory): dx, dres, sum_dy, sum_dyxhat, with every row of x2 in the statistics."""
+    rows, c = x2.shape
+    sd = _stats_dtype(x2.dtype)
+    m = mask if relu_on else jnp.zeros((0,), jnp.uint32)
+    dres_shape = x2.shape if has_res else (0,)
+    dx, dres, sum_dy, sum_dyxhat, _, _ = ffi_call(
+        "batch_norm", "jaxops_bn_backward",
+        (jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct(dres_shape, x2.dtype),
+         jax.ShapeDtypeStruct((c,), sd), jax.ShapeDtypeStruct((c,), sd),
+         jax.ShapeDtypeStruct((_row_block_cap(rows), 2, c), sd), jax.ShapeDtypeStruct((4, c), sd)),
+        dy2, x2, m, scale, mean, var, dmean, dvar, epsilon=float(eps), relu=relu_on, has_residual=has_res)
+    return dx, (dres if has_res else None), sum_dy, sum_dyxhat
+
+
 @jax.custom_vjp
 def _local_stats(x2):
     return _stats_call(x2)
@@ -356,12 +372,14 @@ def _bn_backward(x2, mask, scale, mean, var, dy2, dmean, dvar, eps, relu_on, has
 
 
 def _bn_backward_local(x2, mask, scale, mean, var, dy2, dmean, dvar, *, axes, eps, relu_on, has_res):
-    # two passes over the data: per-channel sums (reads dy, x, mask), then dx (and dresidual)
-    sum_dy, sum_dyxhat = _backward_sums(dy2, x2, mask, mean, var, eps, relu_on)
     rows = axes.get("r", ())
-    if rows:  # rows on other devices share the statistics: the sums are global
-        sum_dy, sum_dyxhat = jax.lax.psum((sum_dy, sum_dyxhat), rows)
-    count = x2.shape[0] * (jax.lax.psum(1, rows) if rows else 1)
+    if not rows:  # every row here: sums and dx in one call
+        dx, dres, sum_dy, sum_dyxhat = _backward_fused(dy2, x2, mask, scale, mean, var, dmean, dvar, eps,
+                                                       relu_on, has_res)
+        return dx, sum_dyxhat, sum_dy, (dres if has_res else jnp.zeros((0,), x2.dtype))
+    # rows on other devices: per-channel sums (reads dy, x, mask), summed across devices, then dx
+    sum_dy, sum_dyxhat = jax.lax.psum(_backward_sums(dy2, x2, mask, mean, var, eps, relu_on), rows)
+    count = x2.shape[0] * jax.lax.psum(1, rows)
     dx, dres = _backward_dx(dy2, x2, mask, scale, mean, var, sum_dy, sum_dyxhat, dmean, dvar, eps,
                             relu_on, has_res, True, count)
     return dx, sum_dyxhat, sum_dy, (dres if has_res else jnp.zeros((0,), x2.dtype))

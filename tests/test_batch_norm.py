@@ -447,6 +447,31 @@ def test_bad_input():
         jaxops.batch_norm(jnp.ones(()), s, b)
 
 
+def test_backward_handler_validates_again():
+    """The one-call backward target, called directly with inconsistent buffers, returns an error
+    naming the op (on the GPU before any kernel runs), not a crash."""
+    from jaxops._ffi import ffi_call
+
+    r, c = 64, 8
+    x = jnp.ones((r, c), jnp.float32)
+    vec = jnp.ones((c,), jnp.float32)
+    mask = jnp.zeros((r * c // 32,), jnp.uint32)
+
+    def call(ws_shape=(2, 2, c), coef_shape=(4, c), dmean=vec, mask=mask, relu=True):
+        f32 = jnp.float32
+        results = (jax.ShapeDtypeStruct((r, c), f32), jax.ShapeDtypeStruct((0,), f32),
+                   jax.ShapeDtypeStruct((c,), f32), jax.ShapeDtypeStruct((c,), f32),
+                   jax.ShapeDtypeStruct(ws_shape, f32), jax.ShapeDtypeStruct(coef_shape, f32))
+        return jax.block_until_ready(ffi_call("batch_norm", "jaxops_bn_backward", results, x, x, mask, vec, vec,
+                                              vec, dmean, vec, epsilon=1e-5, relu=relu, has_residual=False))
+
+    call()  # the consistent call runs
+    for bad in (dict(ws_shape=(2, 3, c)), dict(coef_shape=(3, c)), dict(dmean=jnp.ones((c + 1,), jnp.float32)),
+                dict(mask=jnp.zeros((5,), jnp.uint32))):
+        with pytest.raises(Exception, match="batch_norm_bwd"):
+            call(**bad)
+
+
 def nudge_off_kink(x, scale, bias, res):
     """`res` nudged so no pre-activation lies within 0.01 of relu's kink: at millions of elements
     a few land within rounding of 0, where the kernel and the reference may pick different sides
@@ -455,10 +480,24 @@ def nudge_off_kink(x, scale, bias, res):
     return (res.astype(jnp.float32) + jnp.where(jnp.abs(z) < 0.01, 0.05, 0.0)).astype(res.dtype)
 
 
-def check_large_add_relu(key, shape, dtype):
-    """Forward and gradients of BN+Add+ReLU on a large channel-last input against ref_bn."""
+def nudge_x_off_kink(x, scale, bias):
+    """`x` nudged so no pre-activation lies within 0.01 of relu's kink, for cases without a
+    residual: the moved elements' z shifts by about 0.1, the statistics by a few ulps, far less
+    than the margin (see nudge_off_kink)."""
+    y, _, var = ref_bn(x, scale, bias)
+    z = y.astype(jnp.float32)
+    a = scale * jax.lax.rsqrt(var + 1e-5)
+    dx = jnp.where(jnp.abs(z) < 0.01, 0.1 * jnp.where(z < 0, -1.0, 1.0) / a, 0.0)
+    return (x.astype(jnp.float32) + dx).astype(x.dtype)
+
+
+def check_large_add_relu(key, shape, dtype, with_residual=True):
+    """Forward and gradients of BN(+Add)+ReLU on a large channel-last input against ref_bn."""
     x, scale, bias, res = inputs(key, shape, -1, dtype, True)
-    res = nudge_off_kink(x, scale, bias, res)
+    if with_residual:
+        res = nudge_off_kink(x, scale, bias, res)
+    else:
+        x, res = nudge_x_off_kink(x, scale, bias), None
     out = jaxops.batch_norm(x, scale, bias, residual=res, activation="relu")
     ref = ref_bn(x, scale, bias, residual=res, activation="relu")
     d = jnp.dtype(dtype).type
@@ -466,8 +505,9 @@ def check_large_add_relu(key, shape, dtype):
         close(a, e, TOL[d] if d != jnp.float32 else 1e-4)
     w = npnormal(rng(jax.random.fold_in(key, 4)), shape, dtype)
     loss = lambda fn: lambda x, s, r: jnp.sum(fn(x, s, bias, residual=r, activation="relu")[0].astype(jnp.float32) * w)
-    g = jax.grad(loss(jaxops.batch_norm), argnums=(0, 1, 2))(x, scale, res)
-    gr = jax.grad(loss(ref_bn), argnums=(0, 1, 2))(x, scale, res)
+    argnums = (0, 1, 2) if with_residual else (0, 1)
+    g = jax.grad(loss(jaxops.batch_norm), argnums=argnums)(x, scale, res)
+    gr = jax.grad(loss(ref_bn), argnums=argnums)(x, scale, res)
     for a, e in zip(g, gr):
         close(a, e, GTOL[d] if d != jnp.float32 else 1e-3)
 
@@ -480,23 +520,27 @@ def test_gpu_resnet_shape(key, dtype):
 
 # The one-kernel training forward (cc/batch_norm/bn_resident.cu) on shapes that fill the GPU's
 # shared memory: float16, channel counts whose warp stride is not a multiple of C (7, 1000:
-# coefficients looked up per chunk), a partial last block; (64,56,56,64) with its residual is just
-# past the residual limit (bn_hybrid.cu takes it; without one test_gpu_resident_matches_streaming).
+# coefficients looked up per chunk), a partial last block. It takes 16-bit inputs only without a
+# residual and up to 64K elements a block, so those cases run without one; bfloat16
+# (64,56,56,64), past that limit, checks that the streaming kernels take it.
 # The statistics read 16-byte packs when C / P is a power of two <= 32 and C <= 128 (VecStats): one
 # pack column (C = 8 bf16), 8, 16 and 32 of them, a partial last block; C = 7 and 1000 take the scalar form.
+# The backward of every case runs as one kernel too where C / P is a power of two
+# (bn_backward_hybrid.cu: a slice of dy and x in shared memory, all of it for the smaller ones).
 # Larger than shared memory (bn_hybrid.cu: a slice a block in shared memory, the rest streamed):
 # one pack column (C = 4 float32, 8 float16; odd row counts leave a partial last span and mask
 # word), 16 (C = 64), 32 (C = 256 bf16), 256 (C = 1024 float32, one slice row more than spans).
 @gpu_only
-@pytest.mark.parametrize("shape,dtype", [((64, 56, 56, 64), jnp.bfloat16), ((16, 112, 112, 32), jnp.float16),
-                                         ((3, 70001, 7), jnp.float32), ((2000, 1000), jnp.bfloat16),
-                                         ((6001, 8), jnp.bfloat16), ((3001, 128), jnp.float32),
-                                         ((1999, 128), jnp.bfloat16),
-                                         ((64, 56, 56, 64), jnp.float32), ((128, 28, 28, 256), jnp.bfloat16),
-                                         ((2_000_003, 4), jnp.float32), ((2_000_001, 8), jnp.float16),
-                                         ((8001, 1024), jnp.float32)])
-def test_gpu_resident_forward(key, shape, dtype):
-    check_large_add_relu(key, shape, dtype)
+@pytest.mark.parametrize("shape,dtype,with_residual",
+                         [((64, 56, 56, 64), jnp.bfloat16, False), ((16, 112, 112, 32), jnp.float16, False),
+                          ((3, 70001, 7), jnp.float32, True), ((2000, 1000), jnp.bfloat16, False),
+                          ((6001, 8), jnp.bfloat16, False), ((3001, 128), jnp.float32, True),
+                          ((1999, 128), jnp.bfloat16, False),
+                          ((64, 56, 56, 64), jnp.float32, True), ((128, 28, 28, 256), jnp.bfloat16, True),
+                          ((2_000_003, 4), jnp.float32, True), ((2_000_001, 8), jnp.float16, True),
+                          ((8001, 1024), jnp.float32, True)])
+def test_gpu_resident_forward(key, shape, dtype, with_residual):
+    check_large_add_relu(key, shape, dtype, with_residual)
 
 
 _PATH_PROBE = r"""
@@ -507,10 +551,10 @@ import numpy as np
 import jaxops
 
 out = {}
-# Odd cases without a residual: the one kernel takes residual-free slices up to the largest
-# 16-bit shape ((64,56,56,64): 97K elements a block) and residual ones up to 64K elements. The last
-# two are larger than shared memory (bn_hybrid.cu).
-for i, (shape, dtype) in enumerate([((16, 112, 112, 32), jnp.float32), ((64, 56, 56, 64), jnp.bfloat16),
+# Odd cases without a residual: the one kernel takes float32 slices of any size, residual ones up
+# to 64K elements a block, 16-bit ones only without a residual and up to 64K elements. The last two
+# are larger than shared memory (bn_hybrid.cu).
+for i, (shape, dtype) in enumerate([((16, 112, 112, 32), jnp.float32), ((16, 112, 112, 32), jnp.bfloat16),
                                     ((3, 70001, 7), jnp.float32), ((2000, 1000), jnp.float16),
                                     ((64, 56, 56, 64), jnp.float32), ((128, 28, 28, 256), jnp.bfloat16)]):
     k = jax.random.split(jax.random.PRNGKey(i), 5)

@@ -173,6 +173,23 @@ inline ffi::Error check_backward_dx(const ffi::AnyBuffer& dy, const ffi::AnyBuff
   return check_mask(op, x, mask, relu, v);
 }
 
+// The training backward in one call: check_backward_reduce's operands with the sums as results,
+// and check_backward_dx's (scale, dmean, dvar, dx, dres, coef); the count is the rows.
+inline ffi::Error check_backward(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::AnyBuffer& mask,
+                                 const ffi::AnyBuffer& scale, const ffi::AnyBuffer& mean, const ffi::AnyBuffer& var,
+                                 const ffi::AnyBuffer& dmean, const ffi::AnyBuffer& dvar, const ffi::AnyBuffer& dx,
+                                 const ffi::AnyBuffer& dres, const ffi::AnyBuffer& sum_dy,
+                                 const ffi::AnyBuffer& sum_dyxhat, const ffi::AnyBuffer& ws,
+                                 const ffi::AnyBuffer& coef, double eps, bool relu, bool has_residual, View* v,
+                                 int64_t* cap) {
+  if (auto err = check_backward_reduce(dy, x, mask, mean, var, sum_dy, sum_dyxhat, ws, eps, relu, v, cap);
+      err.failure())
+    return err;
+  const ffi::AnyBuffer* pc[7] = {&scale, &mean, &var, &sum_dy, &sum_dyxhat, &dmean, &dvar};
+  View w;
+  return check_backward_dx(dy, x, mask, pc, dx, dres, coef, eps, relu, has_residual, 1, &w);
+}
+
 // ---- one FFI signature per target, used verbatim by the CPU and CUDA handlers ----
 // Operands, results and attributes in the order the Python side passes them. `b` is
 // ffi::Ffi::Bind(), with the stream context already bound on CUDA.
@@ -220,6 +237,15 @@ auto bind_backward_dx(Binding b) {
       .template Attr<int64_t>("has_residual")
       .template Attr<int64_t>("train")
       .template Attr<int64_t>("count");
+}
+
+// jaxops_bn_backward: dy, x, mask, scale, mean, var, dmean, dvar -> dx, dres, sum_dy, sum_dyxhat, ws, coef.
+template <class Binding>
+auto bind_backward(Binding b) {
+  return buffer_rets<6>(buffer_args<8>(std::move(b)))
+      .template Attr<double>("epsilon")
+      .template Attr<int64_t>("relu")
+      .template Attr<int64_t>("has_residual");
 }
 
 }  // namespace jaxops::batch_norm

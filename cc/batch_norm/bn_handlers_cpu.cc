@@ -1,4 +1,5 @@
-// CPU FFI handlers of batch_norm: statistics, normalize(+add+relu), both fused, backward reduce, backward dx.
+// CPU FFI handlers of batch_norm: statistics, normalize(+add+relu), both fused, backward reduce,
+// backward dx, both fused.
 #include "batch_norm/bn_args.h"
 #include "batch_norm/bn_cpu.h"
 #include "common/registry.h"
@@ -90,6 +91,31 @@ ffi::Error BackwardDxCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mas
   return ffi::Error::Success();
 }
 
+// The training backward in one call: the sums, then dx, as the two calls do.
+ffi::Error BackwardCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::AnyBuffer scale,
+                       ffi::AnyBuffer mean, ffi::AnyBuffer var, ffi::AnyBuffer dmean, ffi::AnyBuffer dvar,
+                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dres,
+                       ffi::Result<ffi::AnyBuffer> sum_dy, ffi::Result<ffi::AnyBuffer> sum_dyxhat,
+                       ffi::Result<ffi::AnyBuffer> ws, ffi::Result<ffi::AnyBuffer> coef, double eps, int64_t relu,
+                       int64_t has_residual) {
+  View v;
+  int64_t cap = 0;
+  if (auto err = check_backward(dy, x, mask, scale, mean, var, dmean, dvar, *dx, *dres, *sum_dy, *sum_dyxhat, *ws,
+                                *coef, eps, relu != 0, has_residual != 0, &v, &cap);
+      err.failure())
+    return err;
+  if (v.groups * v.channels == 0) return ffi::Error::Success();
+  const uint32_t* bits = relu ? static_cast<const uint32_t*>(mask.untyped_data()) : nullptr;
+  backward_reduce_cpu(v, dy.untyped_data(), x.untyped_data(), bits, mean.untyped_data(), var.untyped_data(),
+                      sum_dy->untyped_data(), sum_dyxhat->untyped_data(), eps);
+  if (v.elements() == 0) return ffi::Error::Success();
+  backward_dx_cpu(v, dy.untyped_data(), x.untyped_data(), bits, scale.untyped_data(), mean.untyped_data(),
+                  var.untyped_data(), sum_dy->untyped_data(), sum_dyxhat->untyped_data(), dmean.untyped_data(),
+                  dvar.untyped_data(), dx->untyped_data(), has_residual ? dres->untyped_data() : nullptr, eps,
+                  true, v.rows);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormStatsCpu, StatsCpu, bind_stats(ffi::Ffi::Bind()));
@@ -98,10 +124,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormForwardCpu, ForwardCpu, bind_forward(ffi:
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardReduceCpu, BackwardReduceCpu,
                               bind_backward_reduce(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardDxCpu, BackwardDxCpu, bind_backward_dx(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardCpu, BackwardCpu, bind_backward(ffi::Ffi::Bind()));
 JAXOPS_REGISTER("jaxops_bn_stats", BatchNormStatsCpu);
 JAXOPS_REGISTER("jaxops_bn_apply", BatchNormApplyCpu);
 JAXOPS_REGISTER("jaxops_bn_forward", BatchNormForwardCpu);
 JAXOPS_REGISTER("jaxops_bn_bwd_reduce", BatchNormBackwardReduceCpu);
 JAXOPS_REGISTER("jaxops_bn_bwd_dx", BatchNormBackwardDxCpu);
+JAXOPS_REGISTER("jaxops_bn_backward", BatchNormBackwardCpu);
 
 }  // namespace jaxops::batch_norm

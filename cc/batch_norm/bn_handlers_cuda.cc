@@ -119,6 +119,45 @@ ffi::Error BackwardDxCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
       "batch_norm_bwd");
 }
 
+// The training backward in one call: one cooperative kernel when dy and x come in 16-byte packs
+// of channels (bn_backward_hybrid.cu), else the sums and dx kernels.
+ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask,
+                        ffi::AnyBuffer scale, ffi::AnyBuffer mean, ffi::AnyBuffer var, ffi::AnyBuffer dmean,
+                        ffi::AnyBuffer dvar, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dres,
+                        ffi::Result<ffi::AnyBuffer> sum_dy, ffi::Result<ffi::AnyBuffer> sum_dyxhat,
+                        ffi::Result<ffi::AnyBuffer> ws, ffi::Result<ffi::AnyBuffer> coef, double eps,
+                        int64_t relu, int64_t has_residual) {
+  View v;
+  int64_t cap = 0;
+  if (auto err = check_backward(dy, x, mask, scale, mean, var, dmean, dvar, *dx, *dres, *sum_dy, *sum_dyxhat, *ws,
+                                *coef, eps, relu != 0, has_residual != 0, &v, &cap);
+      err.failure())
+    return err;
+  if (v.groups * v.channels == 0) return ffi::Error::Success();
+  const uint32_t* bits = relu ? static_cast<const uint32_t*>(mask.untyped_data()) : nullptr;
+  void* dr = has_residual ? dres->untyped_data() : nullptr;
+  if (v.elements() > 0) {
+    bool launched = false;
+    if (cudaError_t err = hybrid_backward_cuda(stream, v, dy.untyped_data(), x.untyped_data(), bits,
+                                               scale.untyped_data(), mean.untyped_data(), var.untyped_data(),
+                                               dmean.untyped_data(), dvar.untyped_data(), dx->untyped_data(), dr,
+                                               sum_dy->untyped_data(), sum_dyxhat->untyped_data(),
+                                               ws->untyped_data(), cap, coef->untyped_data(), eps, &launched))
+      return cuda_status(err, "batch_norm_bwd");
+    if (launched) return ffi::Error::Success();
+  }
+  if (cudaError_t err = backward_reduce_cuda(stream, v, dy.untyped_data(), x.untyped_data(), bits,
+                                             mean.untyped_data(), var.untyped_data(), sum_dy->untyped_data(),
+                                             sum_dyxhat->untyped_data(), ws->untyped_data(), cap, eps, relu != 0))
+    return cuda_status(err, "batch_norm_bwd");
+  if (v.elements() == 0) return ffi::Error::Success();
+  return cuda_status(backward_dx_cuda(stream, v, dy.untyped_data(), x.untyped_data(), bits, scale.untyped_data(),
+                                      mean.untyped_data(), var.untyped_data(), sum_dy->untyped_data(),
+                                      sum_dyxhat->untyped_data(), dmean.untyped_data(), dvar.untyped_data(),
+                                      dx->untyped_data(), dr, coef->untyped_data(), eps, relu != 0, true, v.rows),
+                     "batch_norm_bwd");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormStatsCuda, StatsCuda,
@@ -140,6 +179,10 @@ JAXOPS_REGISTER("jaxops_bn_stats", BatchNormStatsCuda);
 JAXOPS_REGISTER("jaxops_bn_apply", BatchNormApplyCuda);
 JAXOPS_REGISTER("jaxops_bn_forward", BatchNormForwardCuda);
 JAXOPS_REGISTER("jaxops_bn_bwd_reduce", BatchNormBackwardReduceCuda);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardCuda, BackwardCuda,
+                              bind_backward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 JAXOPS_REGISTER("jaxops_bn_bwd_dx", BatchNormBackwardDxCuda);
+JAXOPS_REGISTER("jaxops_bn_backward", BatchNormBackwardCuda);
 
 }  // namespace jaxops::batch_norm

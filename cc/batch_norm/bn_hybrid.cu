@@ -190,9 +190,8 @@ __device__ __forceinline__ void apply_run(const T* src, const T* __restrict__ re
 // a fixed tree over j; thread j = 0 writes the channel's mean, var and coefficients. A second grid
 // barrier, then every block loads the C coefficients. The order of the merges depends only on the
 // grid size, as before.
-template <class T, class Count>
-__device__ __forceinline__ void merge_spread(const T* __restrict__ x, const float* ws, const float* __restrict__ scale,
-                                             const float* __restrict__ bias, float* __restrict__ mean_out,
+template <class Count>
+__device__ __forceinline__ void merge_spread(const float* ws, float* __restrict__ mean_out,
                                              float* __restrict__ var_out, float4* coef_g, const Smem& sm, int C,
                                              float eps, Count count) {
   const int G = gridDim.x;
@@ -212,10 +211,11 @@ __device__ __forceinline__ void merge_spread(const T* __restrict__ x, const floa
     fold_lanes(sm.red, j, cs, per, gp, [](FMoments& d, const FMoments& o) { d.merge(o); });
     if (j == 0 && c < C) {
       const FMoments t = sm.red[cs];
-      const float mean = t.mean(pivot_of(to_acc(x[c]))), var = t.var();
+      const float4 in = sm.coef[c];  // {pivot, scale, bias}, stored at the kernel's start
+      const float mean = t.mean(in.x), var = t.var();
       mean_out[c] = mean;
       var_out[c] = var;
-      const Coef<float> q = forward_coef<float>(scale[c], bias[c], mean, var, eps);
+      const Coef<float> q = forward_coef<float>(in.y, in.z, mean, var, eps);
       coef_g[c] = make_float4(q.shift, q.a, q.b, 0.f);
     }
   }
@@ -223,18 +223,6 @@ __device__ __forceinline__ void merge_spread(const T* __restrict__ x, const floa
   for (int c = threadIdx.x; c < C; c += kThreads) sm.coef[c] = __ldcg(coef_g + c);
   __syncthreads();
 }
-
-// Rows: block b keeps rows [b * rpb, (b + 1) * rpb) (clipped to R) in shared memory and streams
-// rows [S0 + b * spb, S0 + (b + 1) * spb) (clipped), S0 = min(R, gridDim.x * rpb). rpb and spb
-// are multiples of q = 32 / gcd(C, 32), so every run starts on a mask word and a 16-byte pack.
-struct Split {
-  int64_t R, rpb, spb;
-  __device__ __forceinline__ int64_t slice_rows(int64_t bk) const { return max(int64_t(0), min(rpb, R - bk * rpb)); }
-  __device__ __forceinline__ int64_t span_r0(int64_t bk) const { return min(R, gridDim.x * rpb) + bk * spb; }
-  __device__ __forceinline__ int64_t span_rows(int64_t bk) const {
-    return max(int64_t(0), min(spb, R - span_r0(bk)));
-  }
-};
 
 template <class T, int P>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -252,12 +240,16 @@ hybrid_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale, 
   const int Q = C / P, ch = (threadIdx.x % Q) * P;
 #pragma unroll
   for (int k = 0; k < P; ++k) rm.piv[k] = pivot_of(to_acc(x[ch + k]));
+  // What the merge needs of each channel, fetched now rather than after the merge's tree, where
+  // these loads (long evicted from L2) would add a DRAM round trip to the time DRAM sits idle.
+  if (static_cast<int>(threadIdx.x) < C)
+    sm.coef[threadIdx.x] = make_float4(pivot_of(to_acc(x[threadIdx.x])), scale[threadIdx.x], bias[threadIdx.x], 0.f);
   fold_run<T, P, true>(x + e0, xs, n0 / P, rm);
   fold_run<T, P, false>(x + e1, nullptr, n1 / P, rm);
   fold_block<P>(rm, sm.red, ws, C);
   cooperative_groups::this_grid().sync();
 
-  merge_spread(x, ws, scale, bias, mean_out, var_out, coef_g, sm, C, eps,
+  merge_spread(ws, mean_out, var_out, coef_g, sm, C, eps,
                [&](int64_t bk) { return static_cast<float>(sp.slice_rows(bk) + sp.span_rows(bk)); });
   if (res) {
     apply_run<T, P, true>(x + e1, res + e1, y + e1, mask + e1 / 32, n1, sm.coef, C, relu, with_mask, true);
@@ -304,26 +296,12 @@ cudaError_t hybrid_forward_cuda(cudaStream_t stream, const View& v, const void* 
   auto go = [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
     if constexpr (sizeof(T) <= 4) {
-      constexpr int kP = 16 / sizeof(T);
-      auto kernel = hybrid_forward_kernel<T, kP>;
-      if (cuda::resident_clusters(kernel, kThreads, smem, 1, dev) < blocks) return cudaSuccess;
-      const T* xt = static_cast<const T*>(x);
-      const float* sc = static_cast<const float*>(scale);
-      const float* bi = static_cast<const float*>(bias);
-      const T* rt = static_cast<const T*>(residual);
-      T* yt = static_cast<T*>(y);
-      float* mo = static_cast<float*>(mean);
-      float* vo = static_cast<float*>(var);
-      float* wt = static_cast<float*>(ws);
-      float4* cg = static_cast<float4*>(coef);
       Split sp{R, rpb, spb};
       int ci = static_cast<int>(C);
       float ef = static_cast<float>(eps);
       bool re = relu, with_mask = v.mask_words > 0;
-      void* args[] = {&xt, &sc, &bi, &rt, &yt, &mask, &mo, &vo, &wt, &cg, &sp, &ci, &ef, &re, &with_mask};
-      if (cudaError_t err = launch_cooperative(reinterpret_cast<const void*>(kernel), blocks, smem, stream, args))
-        return err;
-      *launched = true;
+      void* args[] = {&x, &scale, &bias, &residual, &y, &mask, &mean, &var, &ws, &coef, &sp, &ci, &ef, &re, &with_mask};
+      return launch_resident(hybrid_forward_kernel<T, 16 / sizeof(T)>, blocks, smem, dev, stream, args, launched);
     }
     return cudaSuccess;
   };

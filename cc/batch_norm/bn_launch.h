@@ -46,6 +46,16 @@ cudaError_t hybrid_forward_cuda(cudaStream_t stream, const View& v, const void* 
                                 void* var, void* ws, int64_t cap, void* coef, double eps, bool relu,
                                 bool* launched);
 
+// The training backward (sums, coefficients with count = rows, dx and dres) in one cooperative
+// kernel whose channels come in 16-byte packs, C / P a power of two (bn_backward_hybrid.cu): a slice
+// of dy's and x's rows stays in shared memory, the rest is read twice. ws is (cap, 2, C), coef a
+// (4, C) float32 workspace. Sets *launched to false, launching nothing, for any other shape.
+cudaError_t hybrid_backward_cuda(cudaStream_t stream, const View& v, const void* dy, const void* x,
+                                 const uint32_t* mask, const void* scale, const void* mean, const void* var,
+                                 const void* dmean, const void* dvar, void* dx, void* dres, void* sum_dy,
+                                 void* sum_dyxhat, void* ws, int64_t cap, void* coef, double eps,
+                                 bool* launched);
+
 // sum_dy, sum_dyxhat per channel (dy masked by the relu bit when relu); ws is (G, cap, 2, C).
 cudaError_t backward_reduce_cuda(cudaStream_t stream, const View& v, const void* dy, const void* x,
                                  const uint32_t* mask, const void* mean, const void* var, void* sum_dy,

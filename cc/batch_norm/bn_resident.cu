@@ -42,7 +42,7 @@ using cuda::to_acc;
 using namespace resident;  // kThreads, Smem, fold_lanes, normalize_pack, launch_cooperative (bn_resident.cuh)
 
 constexpr int kLoadUnroll = 4;  // 16-byte packs a thread loads before it stores them: 64 KB in flight per SM
-constexpr int64_t kResidualMaxElems = 64 * 1024;  // see resident_forward_cuda
+constexpr int64_t kLightBlockElems = 64 * 1024;  // see resident_forward_cuda
 
 // Copies the n elements at src into shared memory: 16-byte packs, kLoadUnroll of them in flight
 // per thread, then the (last block's) tail element by element.
@@ -106,7 +106,9 @@ __device__ __forceinline__ void merge_partials(const T* __restrict__ x, const fl
                                                float eps, Count count) {
   const int j = threadIdx.x / C, c = threadIdx.x - j * C;
   const bool active = j < lanes;
+  // Loaded before the partials, so their latency overlaps the merge's instead of following it.
   const float piv = active ? pivot_of(to_acc(x[c])) : 0.f;
+  const float sc = active && j == 0 ? scale[c] : 0.f, bi = active && j == 0 ? bias[c] : 0.f;
   FMoments v{0.f, 0.f, 0.f, 0.f};
   if (active)
     for (int64_t bk = j; bk < gridDim.x; bk += lanes) {
@@ -123,7 +125,7 @@ __device__ __forceinline__ void merge_partials(const T* __restrict__ x, const fl
       mean_out[c] = mean;
       var_out[c] = var;
     }
-    const Coef<float> q = forward_coef<float>(scale[c], bias[c], mean, var, eps);
+    const Coef<float> q = forward_coef<float>(sc, bi, mean, var, eps);
     sm.coef[c] = make_float4(q.shift, q.a, q.b, 0.f);
   }
   __syncthreads();
@@ -323,7 +325,13 @@ cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void
   // its latency is exposed: measured (H100, session 7) the one kernel wins at 48.7K elements a
   // block (float32 (16,112,112,32): 40.7 vs 43.8 us) and loses at 97K (bfloat16 (64,56,56,64):
   // 50.6 vs 46.5 us).
-  if (residual && rpb * C > kResidualMaxElems) return cudaSuccess;
+  if (residual && rpb * C > kLightBlockElems) return cudaSuccess;
+  // 16-bit types hold twice the elements a byte, and this kernel's shared-memory passes cost
+  // instructions an element: the streaming kernels, whose second read of an x this small hits L2,
+  // were faster (H100, session 25, bfloat16: BN+ReLU (64,56,56,64), 97K elements a block, 34.8
+  // against 38.5 us; BN+Add+ReLU (16,112,112,32), 48.7K, 24.8 against 26.7) except for BN+ReLU
+  // (16,112,112,32) (20.0 against 21.6).
+  if (esize == 2 && (residual || rpb * C > kLightBlockElems)) return cudaSuccess;
   const size_t smem = smem_head(C) + static_cast<size_t>(rpb * C) * esize;
   if (smem > static_cast<size_t>(dev.max_smem_optin)) return cudaSuccess;
   const int64_t blocks = cuda::ceil_div(R, rpb);
@@ -336,23 +344,12 @@ cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void
       const bool fixed = (kWarps * 32 * P) % C == 0, vec = vec_stats_fit(C, P);
       auto kernel = fixed ? (vec ? resident_forward_kernel<T, P, true, true> : resident_forward_kernel<T, P, true, false>)
                           : (vec ? resident_forward_kernel<T, P, false, true> : resident_forward_kernel<T, P, false, false>);
-      if (cuda::resident_clusters(kernel, kThreads, smem, 1, dev) < blocks) return cudaSuccess;
-      const T* xt = static_cast<const T*>(x);
-      const float* sc = static_cast<const float*>(scale);
-      const float* bi = static_cast<const float*>(bias);
-      const T* rt = static_cast<const T*>(residual);
-      T* yt = static_cast<T*>(y);
-      float* mo = static_cast<float*>(mean);
-      float* vo = static_cast<float*>(var);
-      float* wt = static_cast<float*>(ws);
       int64_t rows = R;
       int ci = static_cast<int>(C), li = lanes;
       float ef = static_cast<float>(eps);
       bool re = relu, with_mask = v.mask_words > 0;
-      void* args[] = {&xt, &sc, &bi, &rt, &yt, &mask, &mo, &vo, &wt, &rows, &ci, &rpb, &li, &ef, &re, &with_mask};
-      if (cudaError_t err = launch_cooperative(reinterpret_cast<const void*>(kernel), blocks, smem, stream, args))
-        return err;
-      *launched = true;
+      void* args[] = {&x, &scale, &bias, &residual, &y, &mask, &mean, &var, &ws, &rows, &ci, &rpb, &li, &ef, &re, &with_mask};
+      return launch_resident(kernel, blocks, smem, dev, stream, args, launched);
     }
     return cudaSuccess;
   };

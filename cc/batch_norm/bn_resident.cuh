@@ -1,6 +1,7 @@
-// Pieces shared by the one-kernel training forwards of batch_norm: bn_resident.cu (x wholly in
-// shared memory) and bn_hybrid.cu (a slice of x in shared memory, the rest streamed). Both run
-// one block of kThreads per SM as a cooperative grid. What only one of them uses stays in its file.
+// Pieces shared by the one-kernel passes of batch_norm: the training forwards bn_resident.cu (x
+// wholly in shared memory) and bn_hybrid.cu (a slice of x in shared memory, the rest streamed),
+// and the training backward bn_backward_hybrid.cu (a slice of dy and x). All run one block of
+// kThreads per SM as a cooperative grid. What only one of them uses stays in its file.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -11,6 +12,7 @@
 #include "batch_norm/bn_moments.cuh"
 #include "common/bitmask.cuh"
 #include "common/cuda_util.cuh"
+#include "common/launch.cuh"
 
 namespace jaxops::batch_norm::resident {
 
@@ -74,6 +76,19 @@ __device__ __forceinline__ uint32_t normalize_pack(T (&v)[P], const T (&r)[P], b
   return bits;
 }
 
+// Rows of the one-kernel passes with a slice in shared memory: block b keeps rows
+// [b * rpb, (b + 1) * rpb) (clipped to R) in shared memory and streams rows
+// [S0 + b * spb, S0 + (b + 1) * spb) (clipped), S0 = min(R, gridDim.x * rpb). rpb and spb are
+// multiples of q = 32 / gcd(C, 32), so every run starts on a mask word and a 16-byte pack.
+struct Split {
+  int64_t R, rpb, spb;
+  __device__ __forceinline__ int64_t slice_rows(int64_t bk) const { return max(int64_t(0), min(rpb, R - bk * rpb)); }
+  __device__ __forceinline__ int64_t span_r0(int64_t bk) const { return min(R, gridDim.x * rpb) + bk * spb; }
+  __device__ __forceinline__ int64_t span_rows(int64_t bk) const {
+    return max(int64_t(0), min(spb, R - span_r0(bk)));
+  }
+};
+
 // Whether p is 16-byte aligned. Unlike bn_elementwise.cu's aligned16 this ignores
 // JAXOPS_BN_ELEMENT_LOADS: the one-kernel forwards have no element-load twin (the alignment test
 // runs with JAXOPS_BN_RESIDENT=0).
@@ -95,6 +110,20 @@ inline cudaError_t launch_cooperative(const void* kernel, int64_t blocks, size_t
   config.attrs = &attr;
   config.numAttrs = 1;
   return cudaLaunchKernelExC(&config, kernel, args);
+}
+
+// Launches `kernel`, one of the one-kernel passes, on `blocks` blocks (one an SM) if they can all
+// be resident at once, and then sets *launched; else launches nothing. Host side. `args` holds the
+// addresses of the kernel's arguments; a pointer argument may be given as the address of a void
+// pointer (the same bytes).
+template <class Kernel>
+inline cudaError_t launch_resident(Kernel kernel, int64_t blocks, size_t smem, const cuda::DeviceInfo& dev,
+                                   cudaStream_t stream, void** args, bool* launched) {
+  if (cuda::resident_clusters(kernel, kThreads, smem, 1, dev) < blocks) return cudaSuccess;
+  if (cudaError_t err = launch_cooperative(reinterpret_cast<const void*>(kernel), blocks, smem, stream, args))
+    return err;
+  *launched = true;
+  return cudaSuccess;
 }
 
 }  // namespace jaxops::batch_norm::resident
