@@ -21,17 +21,13 @@
 // tenth of the rows (float32 (256,56,56,64)) the launcher leaves it to the two kernels.
 #include <cooperative_groups.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <numeric>
 
 #include "batch_norm/bn_launch.h"
 #include "batch_norm/bn_math.h"
 #include "batch_norm/bn_resident.cuh"
-#include "batch_norm/bn_test_hooks.h"
 #include "common/bitmask.cuh"
 #include "common/cuda_util.cuh"
-#include "common/launch.cuh"
 
 namespace jaxops::batch_norm {
 namespace {
@@ -304,40 +300,29 @@ cudaError_t hybrid_backward_cuda(cudaStream_t stream, const View& v, const void*
                                  void* sum_dyxhat, void* ws, int64_t cap, void* coef, double eps,
                                  bool* launched) {
   *launched = false;
-  const int64_t R = v.rows, C = v.channels;
-  if (resident_path_disabled() || v.groups != 1 || v.f64 || R < 1 || C < 1 || C > kMaxChannels) return cudaSuccess;
-  const int P = v.dtype == Dtype::kF32 ? 4 : 8;
-  if (C % P != 0 || ((C / P) & (C / P - 1)) != 0) return cudaSuccess;
   if (!aligned(dy) || !aligned(x) || !aligned(dx) || (dres && !aligned(dres))) return cudaSuccess;
-  cuda::DeviceInfo dev;
-  if (cudaError_t err = cuda::device_info(&dev)) return err;
-  const int64_t blocks = dev.sm_count;
-  if (blocks < 1 || blocks > kThreads || cap < blocks) return cudaSuccess;
-  const size_t esize = v.dtype == Dtype::kF32 ? 4 : 2;
-  const int64_t q = 32 / std::gcd<int64_t>(C, 32);
-  // The most rows of dy and x shared memory holds, in whole mask words; fewer when all rows fit.
-  const int64_t room = (static_cast<int64_t>(dev.max_smem_optin) - static_cast<int64_t>(smem_head(C))) /
-                       (2 * C * static_cast<int64_t>(esize));
-  int64_t rpb = room / q * q;
-  if (rpb < q) return cudaSuccess;
-  if (R <= blocks * rpb) rpb = cuda::ceil_div(cuda::ceil_div(R, blocks), q) * q;
+  SliceLayout s;
+  bool ok = false;
+  if (cudaError_t err = slice_layout(v, 2, cap, &s, &ok)) return err;
+  if (!ok) return cudaSuccess;
+  const int64_t R = v.rows, C = v.channels;
+  const int64_t rpb = s.fits(R) ? s.balanced(R) : s.rpb;
   // Below a tenth of the rows in shared memory the bytes saved no longer pay for the phases with
   // DRAM idle (fold, barriers, merge): H100, session 25, float32 (256,56,56,64), 6.8 %: BN+ReLU
   // 354.7 against 354.3 us, BN+Add+ReLU 432.9 against 430.0; at 13.6 % (bfloat16 (256,56,56,64))
   // 188.8 against 209.9 and 227.5 against 243.4.
-  if (10 * blocks * rpb < R) return cudaSuccess;
-  const int64_t S = R - std::min(R, blocks * rpb);
-  const int64_t spb = cuda::ceil_div(cuda::ceil_div(S, blocks), q) * q;
-  const size_t smem = smem_head(C) + 2 * static_cast<size_t>(rpb * C) * esize;
+  if (10 * s.blocks * rpb < R) return cudaSuccess;
+  Split sp = s.split(R, rpb);
+  const size_t smem = s.smem(C, rpb);
   auto go = [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
     if constexpr (sizeof(T) <= 4) {
-      Split sp{R, rpb, spb};
       int ci = static_cast<int>(C);
       float ef = static_cast<float>(eps);
       void* args[] = {&dy, &x, &mask, &scale, &mean, &var, &dmean, &dvar, &dx, &dres, &sum_dy, &sum_dyxhat, &ws, &coef,
                       &sp, &ci, &ef};
-      return launch_resident(hybrid_backward_kernel<T, 16 / sizeof(T)>, blocks, smem, dev, stream, args, launched);
+      return launch_resident(hybrid_backward_kernel<T, 16 / sizeof(T)>, s.blocks, smem, s.dev, stream, args,
+                             launched);
     }
     return cudaSuccess;
   };

@@ -23,18 +23,14 @@
 // 60.2, fold 3.7, barrier 2.5, merge 4.7, apply span 115.6 (3.1 TB/s), apply slice 8.8.
 #include <cooperative_groups.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <numeric>
 
 #include "batch_norm/bn_launch.h"
 #include "batch_norm/bn_math.h"
 #include "batch_norm/bn_moments.cuh"
 #include "batch_norm/bn_resident.cuh"
-#include "batch_norm/bn_test_hooks.h"
 #include "common/bitmask.cuh"
 #include "common/cuda_util.cuh"
-#include "common/launch.cuh"
 
 namespace jaxops::batch_norm {
 namespace {
@@ -267,41 +263,31 @@ cudaError_t hybrid_forward_cuda(cudaStream_t stream, const View& v, const void* 
                                 void* var, void* ws, int64_t cap, void* coef, double eps, bool relu,
                                 bool* launched) {
   *launched = false;
-  const int64_t R = v.rows, C = v.channels;
-  if (resident_path_disabled() || v.groups != 1 || v.f64 || R < 1 || C < 1 || C > kMaxChannels) return cudaSuccess;
-  const int P = v.dtype == Dtype::kF32 ? 4 : 8;
-  if (C % P != 0 || ((C / P) & (C / P - 1)) != 0) return cudaSuccess;
   if (!aligned(x) || !aligned(y) || (residual && !aligned(residual))) return cudaSuccess;
-  cuda::DeviceInfo dev;
-  if (cudaError_t err = cuda::device_info(&dev)) return err;
-  const int64_t blocks = dev.sm_count;
-  if (blocks < 1 || blocks > kThreads || cap < blocks) return cudaSuccess;
-  const size_t esize = v.dtype == Dtype::kF32 ? 4 : 2;
-  const int64_t q = 32 / std::gcd<int64_t>(C, 32);
-  // The largest slice shared memory holds, in whole mask words.
-  const int64_t room = (static_cast<int64_t>(dev.max_smem_optin) - static_cast<int64_t>(smem_head(C))) /
-                       (C * static_cast<int64_t>(esize));
-  const int64_t rpb = room / q * q;
+  SliceLayout s;
+  bool ok = false;
+  if (cudaError_t err = slice_layout(v, 1, cap, &s, &ok)) return err;
+  if (!ok) return cudaSuccess;
+  const int64_t R = v.rows, C = v.channels;
   // Inputs that fit go to the resident kernel (or, with a residual past its limit, to the
   // streaming kernels: this kernel was slower there, bfloat16 (64,56,56,64) 53.7 against 43.1 us).
-  if (rpb < q || R <= blocks * rpb) return cudaSuccess;
+  if (s.fits(R)) return cudaSuccess;
   // With a residual the apply reads two streams and this kernel has half the bytes in flight of
   // the streaming apply: it lost with the slices holding less than a third of the rows (H100,
   // session 24, BN+Add+ReLU: float32 (256,56,56,64), 14 %: 287.8 against 281.0 us; bfloat16, 28 %:
   // 152.4 against 151.3) and won above (float32 (64,56,56,64), 55 %: 71.9 against 80.1).
-  if (residual && 3 * blocks * rpb < R) return cudaSuccess;
-  const int64_t S = R - std::min(R, blocks * rpb);
-  const int64_t spb = cuda::ceil_div(cuda::ceil_div(S, blocks), q) * q;
-  const size_t smem = smem_head(C) + static_cast<size_t>(rpb * C) * esize;
+  if (residual && 3 * s.blocks * s.rpb < R) return cudaSuccess;
+  Split sp = s.split(R, s.rpb);
+  const size_t smem = s.smem(C, s.rpb);
   auto go = [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
     if constexpr (sizeof(T) <= 4) {
-      Split sp{R, rpb, spb};
       int ci = static_cast<int>(C);
       float ef = static_cast<float>(eps);
       bool re = relu, with_mask = v.mask_words > 0;
       void* args[] = {&x, &scale, &bias, &residual, &y, &mask, &mean, &var, &ws, &coef, &sp, &ci, &ef, &re, &with_mask};
-      return launch_resident(hybrid_forward_kernel<T, 16 / sizeof(T)>, blocks, smem, dev, stream, args, launched);
+      return launch_resident(hybrid_forward_kernel<T, 16 / sizeof(T)>, s.blocks, smem, s.dev, stream, args,
+                             launched);
     }
     return cudaSuccess;
   };

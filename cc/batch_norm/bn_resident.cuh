@@ -5,11 +5,15 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 
 #include "batch_norm/bn_math.h"
 #include "batch_norm/bn_moments.cuh"
+#include "batch_norm/bn_test_hooks.h"
+#include "batch_norm/bn_view.h"
 #include "common/bitmask.cuh"
 #include "common/cuda_util.cuh"
 #include "common/launch.cuh"
@@ -88,6 +92,50 @@ struct Split {
     return max(int64_t(0), min(spb, R - span_r0(bk)));
   }
 };
+
+// Host side: the shared-memory slices of a one-kernel pass that keeps the rows of `arrays` arrays
+// of v's shape in shared memory (bn_hybrid.cu: x; bn_backward_hybrid.cu: dy and x), one block an
+// SM. Every pack a thread reads holds the same P channels only when C / P is a power of two.
+struct SliceLayout {
+  cuda::DeviceInfo dev;
+  int64_t blocks = 0;  // one an SM
+  int64_t q = 0;  // rows of a whole mask word and 16-byte pack: 32 / gcd(C, 32)
+  int64_t rpb = 0;  // the most rows a block's slice holds, a multiple of q
+  size_t row_bytes = 0;  // shared-memory bytes of one slice row
+
+  bool fits(int64_t R) const { return R <= blocks * rpb; }
+  // The fewest rows a slice needs to hold all R rows.
+  int64_t balanced(int64_t R) const { return cuda::ceil_div(cuda::ceil_div(R, blocks), q) * q; }
+  // Slices of `rows` rows (a multiple of q, <= rpb); the spans share the rest.
+  Split split(int64_t R, int64_t rows) const {
+    const int64_t S = R - std::min(R, blocks * rows);
+    return Split{R, rows, cuda::ceil_div(cuda::ceil_div(S, blocks), q) * q};
+  }
+  size_t smem(int64_t C, int64_t rows) const { return smem_head(C) + static_cast<size_t>(rows) * row_bytes; }
+};
+
+// Fills *s and sets *ok where such a pass can run on v: one group of float32 or 16-bit data, C
+// in 16-byte packs with C / P a power of two and C <= kMaxChannels, at most kThreads SMs and a
+// workspace of at least one slot (`cap`) a block, a slice of at least q rows; not with the
+// one-kernel passes turned off (JAXOPS_BN_RESIDENT=0).
+inline cudaError_t slice_layout(const View& v, int arrays, int64_t cap, SliceLayout* s, bool* ok) {
+  *ok = false;
+  const int64_t C = v.channels;
+  if (resident_path_disabled() || v.groups != 1 || v.f64 || v.rows < 1 || C < 1 || C > kMaxChannels)
+    return cudaSuccess;
+  const int64_t esize = v.dtype == Dtype::kF32 ? 4 : 2, P = 16 / esize;
+  if (C % P != 0 || ((C / P) & (C / P - 1)) != 0) return cudaSuccess;
+  if (cudaError_t err = cuda::device_info(&s->dev)) return err;
+  s->blocks = s->dev.sm_count;
+  if (s->blocks < 1 || s->blocks > kThreads || cap < s->blocks) return cudaSuccess;
+  s->q = 32 / std::gcd<int64_t>(C, 32);
+  s->row_bytes = static_cast<size_t>(arrays * C * esize);
+  const int64_t room = (static_cast<int64_t>(s->dev.max_smem_optin) - static_cast<int64_t>(smem_head(C))) /
+                       static_cast<int64_t>(s->row_bytes);
+  s->rpb = room / s->q * s->q;
+  *ok = s->rpb >= s->q;
+  return cudaSuccess;
+}
 
 // Whether p is 16-byte aligned. Unlike bn_elementwise.cu's aligned16 this ignores
 // JAXOPS_BN_ELEMENT_LOADS: the one-kernel forwards have no element-load twin (the alignment test
