@@ -9,11 +9,19 @@
 // Measured (H100, session 7): float32 (16,112,112,32) BN+ReLU 37.3 -> 30.6 us (XLA 33.3),
 // bfloat16 24.8 -> 20.2 us (XLA 21.2). The kernel runs at ~2.5 TB/s of its 2-pass traffic but not
 // faster: the load, the reduction + grid barrier + merge and the apply run one after another on
-// every SM. Summing during the load, 16-byte M2 reads and an L2 prefetch of the residual
-// (session 7, run 3) changed nothing or cost 1-2 us, so the reduction is this plain two-pass form.
+// every SM. Session 7 found summing during the load, 16-byte M2 reads and an L2 prefetch of the
+// residual no faster with the scalar reduction; session 26 (ncu, bfloat16 (16,112,112,32): every
+// phase latency-bound, issue slots 42 % busy) put the kVec layout's first pass on the load, one
+// division a channel and a constant valid count for whole packs in the apply: float32
+// (16,112,112,32) 30.2 -> 29.4 us (with a residual 40.5 -> 39.7), bfloat16 20.0 -> 19.3.
+// Tried there and dropped: cp.async for the slice (4.2 -> 4.5 us for the load phase), the
+// merge's partials loaded 6 blocks at a time (2.1 -> 2.3 us: the 132 blocks reading the same
+// partials contend in L2, the round trips are not what it waits on), and a shuffle tree instead
+// of fold_lanes (1.4 -> 2.0 us).
 //
-// Statistics: per block two passes over shared memory (shifted mean, then M2 around it, exact;
-// 16-byte reads where the channels allow, VecStats),
+// Statistics: per block two passes (shifted mean, then M2 around it, exact), the first on the
+// load and the second over shared memory where the channels allow 16-byte reads (VecStats), else
+// both over shared memory,
 // shifted by the channel's first-row pivot like the streaming kernels (bn_reduce.cu); the
 // blocks' (count, sum, mean, M2) partials merge with chan_merge in a fixed order, identically in
 // every block, so the result depends only on the shape and the device's SM count.
@@ -46,9 +54,13 @@ constexpr int kLoadUnroll = 4;  // 16-byte packs a thread loads before it stores
 constexpr int64_t kLightBlockElems = 64 * 1024;  // see resident_forward_cuda
 
 // Copies the n elements at src into shared memory: 16-byte packs, kLoadUnroll of them in flight
-// per thread, then the (last block's) tail element by element.
-template <class T, int P>
-__device__ __forceinline__ void load_slice(const T* __restrict__ src, T* __restrict__ dst, int n) {
+// per thread, then the (last block's) tail element by element. kSum (the kVec layout, n whole
+// packs) also makes the first statistics pass while the packs are in registers: thread t's packs
+// t, t + kThreads, ... are VecStats' rows of column t % Q, in order, and x - piv[k] of each
+// pack's element k is added into acc[k].
+template <class T, int P, bool kSum>
+__device__ __forceinline__ void load_slice(const T* __restrict__ src, T* __restrict__ dst, int n,
+                                           const float (&piv)[P], float (&acc)[P]) {
   const int packs = n / P;
   for (int p0 = threadIdx.x; p0 < packs; p0 += kThreads * kLoadUnroll) {
     uint4 w[kLoadUnroll];
@@ -60,39 +72,47 @@ __device__ __forceinline__ void load_slice(const T* __restrict__ src, T* __restr
 #pragma unroll
     for (int u = 0; u < kLoadUnroll; ++u) {
       const int p = p0 + u * kThreads;
-      if (p < packs) reinterpret_cast<uint4*>(dst)[p] = w[u];
+      if (p < packs) {
+        reinterpret_cast<uint4*>(dst)[p] = w[u];
+        if constexpr (kSum) {
+          T v[P];
+          memcpy(&v, &w[u], sizeof(v));
+#pragma unroll
+          for (int k = 0; k < P; ++k) acc[k] += to_acc(v[k]) - piv[k];
+        }
+      }
     }
   }
   for (int i = packs * P + threadIdx.x; i < n; i += kThreads) dst[i] = src[i];
 }
 
 // y = act((x - shift) * a + b (+ res)) for the lane's P elements at local index i0 (< n), and
-// the predicate bits (bit k: element i0 + k is positive; 0 past the end).
+// the predicate bits (bit k: element i0 + k is positive; 0 past the end). A whole pack, every
+// lane but the last block's tail, normalises with the count of valid elements a constant P, so
+// no element is tested against the end (H100, session 26: ~20 of ~100 instructions an
+// iteration at bfloat16).
 template <class T, int P>
 __device__ __forceinline__ uint32_t apply_pack(const T* __restrict__ xs, const T* __restrict__ res,
                                                T* __restrict__ y, const float (&sh)[P], const float (&a)[P],
                                                const float (&b)[P], int i0, int n, bool relu) {
-  const bool full = i0 + P <= n;
   T v[P], r[P];
-  if (full) {
+  if (i0 + P <= n) {
     const uint4 w = *reinterpret_cast<const uint4*>(xs + i0);  // one 16-byte shared load
     memcpy(&v, &w, sizeof(v));
     if (res) cuda::load_vec<T, P>(res + i0, r);
-  } else {
+    const uint32_t bits = normalize_pack<T, P>(v, r, res != nullptr, sh, a, b, P, relu);
+    cuda::store_vec<T, P>(y + i0, v);
+    return bits;
+  }
 #pragma unroll
-    for (int k = 0; k < P; ++k) {
-      v[k] = i0 + k < n ? xs[i0 + k] : from_acc<T>(0.f);
-      r[k] = res && i0 + k < n ? res[i0 + k] : from_acc<T>(0.f);
-    }
+  for (int k = 0; k < P; ++k) {
+    v[k] = i0 + k < n ? xs[i0 + k] : from_acc<T>(0.f);
+    r[k] = res && i0 + k < n ? res[i0 + k] : from_acc<T>(0.f);
   }
   const uint32_t bits = normalize_pack<T, P>(v, r, res != nullptr, sh, a, b, n - i0, relu);
-  if (full) {
-    cuda::store_vec<T, P>(y + i0, v);
-  } else {
 #pragma unroll
-    for (int k = 0; k < P; ++k)
-      if (i0 + k < n) y[i0 + k] = v[k];
-  }
+  for (int k = 0; k < P; ++k)
+    if (i0 + k < n) y[i0 + k] = v[k];
   return bits;
 }
 
@@ -133,17 +153,19 @@ __device__ __forceinline__ void merge_partials(const T* __restrict__ x, const fl
 }
 
 // kVec block statistics: thread t reads 16-byte packs of column pc = t % Q (channels pc * P ...,
-// Q = C / P a power of two <= 32) from rows t / Q, t / Q + L, ... (L = kThreads / Q), folds its P
-// sums over the lanes of its warp that share the column by xor shuffles, and thread c < C then
-// adds the 32 warps' partials of channel c in warp order. The scalar form (a thread a channel,
-// one 2- or 4-byte shared load an element) issues n / 32 loads a pass. H100, session 23: the
-// statistics phase (globaltimer per phase) 5.8 -> 5.0 us at bfloat16 (16,112,112,32); the whole
-// BN+ReLU 20.4 -> 19.8 us there, (64,56,56,64) 40.5 -> 38.2, float32 (16,112,112,32) 30.5 -> 29.9.
-// The rest of the phase (barriers, folds, the pivots' global loads) was not broken down further.
+// Q = C / P a power of two <= 32, so C is a power of two) from rows t / Q, t / Q + L, ...
+// (L = kThreads / Q). The first pass (shifted sums) rides on the load (load_slice<kSum>), the
+// second (M2 about the block's mean) reads shared memory. A pass's per-thread sums fold over the
+// lanes of a warp that share the column by xor shuffles, then over the 32 warps by a shuffle tree
+// (warp w totals channels w, w + 32, ...).
+// H100, session 23: 16-byte reads instead of a thread a channel took the phase 5.8 -> 5.0 us at
+// bfloat16 (16,112,112,32). Session 26: the first pass on the load, the pivots loaded before the
+// slice and the tree instead of one thread adding the 32 warps' partials in turn (see below).
 template <class T, int P>
 struct VecStats {
   int Q, pc, jr, L;
   float piv[P];
+  // Issued before the slice's loads, so their latency hides under the copy's.
   __device__ __forceinline__ VecStats(const T* __restrict__ x, int C) {
     Q = C / P;
     pc = threadIdx.x % Q;
@@ -152,35 +174,47 @@ struct VecStats {
 #pragma unroll
     for (int k = 0; k < P; ++k) piv[k] = pivot_of(to_acc(x[pc * P + k]));
   }
-  // Sums f(x - pivot, k) over this thread's rows; every thread must call it (it synchronises).
-  // Returns channel threadIdx.x's block total (valid for threadIdx.x < C).
-  template <class F>
-  __device__ __forceinline__ float block_sum(const T* xs, int rows, int C, float* redf, F f) const {
-    float acc[P];
-#pragma unroll
-    for (int k = 0; k < P; ++k) acc[k] = 0.f;
+  // Sums (x - pivot - mk[k])^2 over this thread's rows of the slice xs.
+  __device__ __forceinline__ void m2_sums(const T* xs, int rows, int C, const float (&mk)[P], float (&acc)[P]) const {
 #pragma unroll 2
     for (int r = jr; r < rows; r += L) {
       const uint4 w = *reinterpret_cast<const uint4*>(xs + static_cast<int64_t>(r) * C + pc * P);
       T v[P];
       memcpy(&v, &w, sizeof(v));
 #pragma unroll
-      for (int k = 0; k < P; ++k) acc[k] += f(to_acc(v[k]) - piv[k], k);
+      for (int k = 0; k < P; ++k) {
+        const float e = to_acc(v[k]) - piv[k] - mk[k];
+        acc[k] += e * e;
+      }
     }
+  }
+  // Folds every thread's acc into tot[ch] (ch < C), the block's total, in a fixed order, and with
+  // rows > 0 the mean tot[ch] / rows into tot[C + ch] (one division a channel). redf holds the 32
+  // warps' partials at w * C + (ch ^ (w % min(C, 32))): the tree's lane w reads bank (ch ^ w) % 32 for
+  // C >= 32, so the 32 reads of a channel meet no bank conflict. Every thread must call it (it
+  // synchronises; tot is valid after it returns).
+  __device__ __forceinline__ void block_total(float (&acc)[P], int C, float* redf, float* tot, int rows) const {
 #pragma unroll
     for (int k = 0; k < P; ++k)
       for (int off = Q; off < 32; off *= 2) acc[k] += cuda::shfl_xor(acc[k], off);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int swz = (C < 32 ? C : 32) - 1;
     __syncthreads();  // the previous call's readers of redf are done
     if (lane < Q)
 #pragma unroll
-      for (int k = 0; k < P; ++k) redf[warp * C + pc * P + k] = acc[k];
+      for (int k = 0; k < P; ++k) redf[warp * C + ((pc * P + k) ^ (warp & swz))] = acc[k];
     __syncthreads();
-    float t = 0.f;
-    if (static_cast<int>(threadIdx.x) < C)
-#pragma unroll 8
-      for (int w = 0; w < kWarps; ++w) t += redf[w * C + threadIdx.x];
-    return t;
+    static_assert(kWarps == 32, "the tree gives lane w warp w's partial");
+    for (int ch = warp; ch < C; ch += kWarps) {  // warp-uniform
+      float t = redf[lane * C + (ch ^ (lane & swz))];
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) t += cuda::shfl_xor(t, off);
+      if (lane == 0) {
+        tot[ch] = t;
+        if (rows > 0) tot[C + ch] = t / static_cast<float>(rows);
+      }
+    }
+    __syncthreads();
   }
 };
 
@@ -206,12 +240,10 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
   const int rows = static_cast<int>(min(rpb, R - r0));  // > 0 (plan)
   const int n = rows * C;
   const int64_t e0 = r0 * C;  // a multiple of 32 (plan): the slice owns whole mask words
-  load_slice<T, P>(x + e0, xs, n);
 
   // (j, c): lanes threads per channel, thread j takes rows j, j + lanes, ...
   const int j = threadIdx.x / C, c = threadIdx.x - j * C;
   const bool active = j < lanes;
-  const float piv = active ? pivot_of(to_acc(x[c])) : 0.f;
   // The block's partial of channel ch for the merge: shifted sum, shifted mean, M2.
   const auto write_partial = [&](int ch, float sb, float mb, float m2) {
     float* p = ws + blockIdx.x * 3 * int64_t(C) + ch;
@@ -222,21 +254,26 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
   if constexpr (kVec) {
     const VecStats<T, P> vs(x, C);
     float* redf = reinterpret_cast<float*>(sm.red);
-    float* mbv = reinterpret_cast<float*>(sm.coef);  // free until the coefficients are written
-    __syncthreads();
-    const float sb = vs.block_sum(xs, rows, C, redf, [](float d, int) { return d; });
-    const float mb = sb / static_cast<float>(rows);
-    if (static_cast<int>(threadIdx.x) < C) mbv[threadIdx.x] = mb;
-    __syncthreads();
+    float* tot = reinterpret_cast<float*>(sm.coef);  // free until the coefficients are written
+    float acc[P];
+#pragma unroll
+    for (int k = 0; k < P; ++k) acc[k] = 0.f;
+    load_slice<T, P, true>(x + e0, xs, n, vs.piv, acc);
+    vs.block_total(acc, C, redf, tot, rows);  // its barriers also publish the slice
     float mk[P];
 #pragma unroll
-    for (int k = 0; k < P; ++k) mk[k] = mbv[vs.pc * P + k];
-    const float m2 = vs.block_sum(xs, rows, C, redf, [&](float d, int k) {
-      const float e = d - mk[k];
-      return e * e;
-    });
-    if (static_cast<int>(threadIdx.x) < C) write_partial(threadIdx.x, sb, mb, m2);
+    for (int k = 0; k < P; ++k) {
+      mk[k] = tot[C + vs.pc * P + k];
+      acc[k] = 0.f;
+    }
+    vs.m2_sums(xs, rows, C, mk, acc);
+    vs.block_total(acc, C, redf, tot + 2 * C, 0);
+    if (static_cast<int>(threadIdx.x) < C)
+      write_partial(threadIdx.x, tot[threadIdx.x], tot[C + threadIdx.x], tot[2 * C + threadIdx.x]);
   } else {
+    const float piv = active ? pivot_of(to_acc(x[c])) : 0.f;  // issued before the slice's loads
+    float none[P] = {};
+    load_slice<T, P, false>(x + e0, xs, n, none, none);
     float s = 0.f;
     __syncthreads();
     if (active)
