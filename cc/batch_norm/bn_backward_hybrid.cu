@@ -69,12 +69,14 @@ struct GradSums {
 };
 
 // Adds packs threadIdx.x, + kThreads, ... of the `packs`-pack run whose first element is element
-// e0 of the view (dy + e0, x + e0); kCopy also stores them in the slice (sdy, sx). The loads of
-// a batch are all issued before it is added.
+// e0 of the view (dy + e0, x + e0); kCopy also stores them in the slice (sdy, sx) and, with a
+// mask, each pack's relu bits in sbits (a byte a pack). The loads of a batch are all issued
+// before it is added.
 template <class T, int P, bool kCopy>
 __device__ __forceinline__ void sum_run(const T* __restrict__ dy, const T* __restrict__ x,
                                         const uint32_t* __restrict__ mask, int64_t e0, T* __restrict__ sdy,
-                                        T* __restrict__ sx, int64_t packs, GradSums<P>& gs) {
+                                        T* __restrict__ sx, uint8_t* __restrict__ sbits, int64_t packs,
+                                        GradSums<P>& gs) {
   constexpr int U = grad_unroll<T>();
   const Row<T, P>* gp = reinterpret_cast<const Row<T, P>*>(dy + e0);
   const Row<T, P>* xp = reinterpret_cast<const Row<T, P>*>(x + e0);
@@ -99,6 +101,7 @@ __device__ __forceinline__ void sum_run(const T* __restrict__ dy, const T* __res
         if constexpr (kCopy) {
           reinterpret_cast<Row<T, P>*>(sdy)[p] = g[u];
           reinterpret_cast<Row<T, P>*>(sx)[p] = v[u];
+          if (mask) sbits[p] = static_cast<uint8_t>(bits[u]);
         }
         gs.add(g[u], v[u], bits[u]);
       }
@@ -143,6 +146,42 @@ __device__ __forceinline__ void fold_sums(const GradSums<P>& gs, float2* red, fl
   if (j == 0) {
     ws[blockIdx.x * 2 * int64_t(C) + c] = red[c].x;
     ws[blockIdx.x * 2 * int64_t(C) + C + c] = red[c].y;
+  }
+}
+
+// fold_sums for C <= 64 (the 32 warps' float2 partials then fit the scratch): the sums of the
+// lanes of a warp that share a pack column fold by xor shuffles, the 32 warps' partials (at
+// w * C + (c ^ (w % min(C, 32))), so a channel's 32 reads meet no bank conflict) by a shuffle
+// tree, warp w taking channels w, w + 32, ...: two block barriers where fold_sums has 2 P + 1 +
+// log2(kThreads / C), like the resident forward's VecStats.
+template <int P>
+__device__ __forceinline__ void fold_sums_tree(GradSums<P>& gs, float2* red, float* __restrict__ ws, int C) {
+  const int Q = C / P, pc = threadIdx.x % Q;
+#pragma unroll
+  for (int k = 0; k < P; ++k)
+    for (int off = Q; off < 32; off *= 2) {
+      gs.s1[k] += cuda::shfl_xor(gs.s1[k], off);
+      gs.s2[k] += cuda::shfl_xor(gs.s2[k], off);
+    }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int swz = (C < 32 ? C : 32) - 1;
+  __syncthreads();  // the scratch's previous readers are done
+  if (lane < Q)
+#pragma unroll
+    for (int k = 0; k < P; ++k) red[warp * C + ((pc * P + k) ^ (warp & swz))] = make_float2(gs.s1[k], gs.s2[k]);
+  __syncthreads();
+  static_assert(kWarps == 32, "the tree gives lane w warp w's partial");
+  for (int ch = warp; ch < C; ch += kWarps) {  // warp-uniform
+    float2 t = red[lane * C + (ch ^ (lane & swz))];
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+      t.x += cuda::shfl_xor(t.x, off);
+      t.y += cuda::shfl_xor(t.y, off);
+    }
+    if (lane == 0) {
+      ws[blockIdx.x * 2 * int64_t(C) + ch] = t.x;
+      ws[blockIdx.x * 2 * int64_t(C) + C + ch] = t.y;
+    }
   }
 }
 
@@ -204,12 +243,14 @@ __device__ __forceinline__ void merge_grad_spread(const float* ws, const float* 
 
 // dx (and dresidual) for the n elements (whole P-packs, starting on a row and a mask word) of the
 // run whose first element is element e0 of the view; dy and x come from gdy, gx (global memory
-// for the span, the slice for the slice). The warp stride is a multiple of C, so a lane's
+// for the span, the slice for the slice), the relu bits from sbits where given (the slice's,
+// kept by phase 1: the global mask word was a round trip an iteration with one pack in flight,
+// H100, session 26), else from the mask. The warp stride is a multiple of C, so a lane's
 // coefficients stay in registers. `reverse` walks the warp's chunks last first.
 template <class T, int P>
-__device__ __forceinline__ void dx_run(const T* gdy, const T* gx, const uint32_t* __restrict__ mask, int64_t e0,
-                                       T* __restrict__ dx, T* __restrict__ dres, int64_t n, const float4* coef,
-                                       int C, bool reverse) {
+__device__ __forceinline__ void dx_run(const T* gdy, const T* gx, const uint32_t* __restrict__ mask,
+                                       const uint8_t* sbits, int64_t e0, T* __restrict__ dx, T* __restrict__ dres,
+                                       int64_t n, const float4* coef, int C, bool reverse) {
   constexpr int U = dx_unroll<T>();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   constexpr int kChunk = 32 * P;
@@ -241,7 +282,7 @@ __device__ __forceinline__ void dx_run(const T* gdy, const T* gx, const uint32_t
           const uint4 wx = *reinterpret_cast<const uint4*>(gx + i);
           memcpy(&g[u], &wg, 16);
           memcpy(&v[u], &wx, 16);
-          bits[u] = mask ? cuda::mask_bits<P>(mask, e0 + i) : ~0u;
+          bits[u] = !mask ? ~0u : sbits ? sbits[i / P] : cuda::mask_bits<P>(mask, e0 + i);
         }
       }
     }
@@ -271,6 +312,7 @@ hybrid_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const 
   const Smem sm = smem_layout(C);
   T* sdy = reinterpret_cast<T*>(sm.data);
   T* sx = sdy + sp.rpb * C;
+  uint8_t* sbits = reinterpret_cast<uint8_t*>(sx + sp.rpb * C);  // with a mask: rpb * C / P bytes
   const int64_t e0 = blockIdx.x * sp.rpb * C, n0 = sp.slice_rows(blockIdx.x) * C;
   const int64_t e1 = sp.span_r0(blockIdx.x) * C, n1 = sp.span_rows(blockIdx.x) * C;
 
@@ -281,15 +323,18 @@ hybrid_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const 
     gs.s1[k] = gs.s2[k] = 0.f;
     gs.mu[k] = mean[ch + k];
   }
-  sum_run<T, P, true>(dy, x, mask, e0, sdy, sx, n0 / P, gs);
-  sum_run<T, P, false>(dy, x, mask, e1, nullptr, nullptr, n1 / P, gs);
-  fold_sums<P>(gs, reinterpret_cast<float2*>(sm.red), ws, C);
+  sum_run<T, P, true>(dy, x, mask, e0, sdy, sx, sbits, n0 / P, gs);
+  sum_run<T, P, false>(dy, x, mask, e1, nullptr, nullptr, nullptr, n1 / P, gs);
+  if (kWarps * C * sizeof(float2) <= kThreads * sizeof(FMoments))
+    fold_sums_tree<P>(gs, reinterpret_cast<float2*>(sm.red), ws, C);
+  else
+    fold_sums<P>(gs, reinterpret_cast<float2*>(sm.red), ws, C);
   cooperative_groups::this_grid().sync();
 
   merge_grad_spread(ws, scale, mean, var, dmean, dvar, sum_dy, sum_dyxhat, coef_g, sm, C, eps,
                     static_cast<float>(sp.R));
-  dx_run<T, P>(dy + e1, x + e1, mask, e1, dx, dres, n1, sm.coef, C, true);
-  dx_run<T, P>(sdy, sx, mask, e0, dx, dres, n0, sm.coef, C, false);
+  dx_run<T, P>(dy + e1, x + e1, mask, nullptr, e1, dx, dres, n1, sm.coef, C, true);
+  dx_run<T, P>(sdy, sx, mask, sbits, e0, dx, dres, n0, sm.coef, C, false);
 }
 
 }  // namespace
@@ -303,7 +348,7 @@ cudaError_t hybrid_backward_cuda(cudaStream_t stream, const View& v, const void*
   if (!aligned(dy) || !aligned(x) || !aligned(dx) || (dres && !aligned(dres))) return cudaSuccess;
   SliceLayout s;
   bool ok = false;
-  if (cudaError_t err = slice_layout(v, 2, cap, &s, &ok)) return err;
+  if (cudaError_t err = slice_layout(v, 2, cap, &s, &ok, mask ? 1 : 0)) return err;
   if (!ok) return cudaSuccess;
   const int64_t R = v.rows, C = v.channels;
   const int64_t rpb = s.fits(R) ? s.balanced(R) : s.rpb;

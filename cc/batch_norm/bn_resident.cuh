@@ -117,8 +117,9 @@ struct SliceLayout {
 // Fills *s and sets *ok where such a pass can run on v: one group of float32 or 16-bit data, C
 // in 16-byte packs with C / P a power of two and C <= kMaxChannels, at most kThreads SMs and a
 // workspace of at least one slot (`cap`) a block, a slice of at least q rows; not with the
-// one-kernel passes turned off (JAXOPS_BN_RESIDENT=0).
-inline cudaError_t slice_layout(const View& v, int arrays, int64_t cap, SliceLayout* s, bool* ok) {
+// one-kernel passes turned off (JAXOPS_BN_RESIDENT=0). pack_bytes: bytes a slice row keeps per
+// 16-byte pack besides the arrays (the backward's relu bits).
+inline cudaError_t slice_layout(const View& v, int arrays, int64_t cap, SliceLayout* s, bool* ok, int pack_bytes = 0) {
   *ok = false;
   const int64_t C = v.channels;
   if (resident_path_disabled() || v.groups != 1 || v.f64 || v.rows < 1 || C < 1 || C > kMaxChannels)
@@ -129,7 +130,7 @@ inline cudaError_t slice_layout(const View& v, int arrays, int64_t cap, SliceLay
   s->blocks = s->dev.sm_count;
   if (s->blocks < 1 || s->blocks > kThreads || cap < s->blocks) return cudaSuccess;
   s->q = 32 / std::gcd<int64_t>(C, 32);
-  s->row_bytes = static_cast<size_t>(arrays * C * esize);
+  s->row_bytes = static_cast<size_t>(arrays * C * esize + pack_bytes * C / P);
   const int64_t room = (static_cast<int64_t>(s->dev.max_smem_optin) - static_cast<int64_t>(smem_head(C))) /
                        static_cast<int64_t>(s->row_bytes);
   s->rpb = room / s->q * s->q;
