@@ -151,40 +151,19 @@ __device__ __forceinline__ void fold_sums(const GradSums<P>& gs, float2* red, fl
   }
 }
 
-// fold_sums for C <= 64 (the 32 warps' float2 partials then fit the scratch): the sums of the
-// lanes of a warp that share a pack column fold by xor shuffles, the 32 warps' partials (at
-// w * C + (c ^ (w % min(C, 32))), so a channel's 32 reads meet no bank conflict) by a shuffle
-// tree, warp w taking channels w, w + 32, ...: two block barriers where fold_sums has 2 P + 1 +
-// log2(kThreads / C), like the resident forward's VecStats.
+// fold_sums for C <= 64 (the 32 warps' float2 partials then fit the scratch) by column_totals
+// (bn_resident.cuh), like the resident forward's statistics: two block barriers where fold_sums
+// has 2 P + 1 + log2(kThreads / C).
 template <int P>
-__device__ __forceinline__ void fold_sums_tree(GradSums<P>& gs, float2* red, float* __restrict__ ws, int C) {
-  const int Q = C / P, pc = threadIdx.x % Q;
+__device__ __forceinline__ void fold_sums_tree(const GradSums<P>& gs, float2* red, float* __restrict__ ws, int C) {
+  float2 acc[P];
 #pragma unroll
-  for (int k = 0; k < P; ++k)
-    for (int off = Q; off < 32; off *= 2) {
-      gs.s1[k] += cuda::shfl_xor(gs.s1[k], off);
-      gs.s2[k] += cuda::shfl_xor(gs.s2[k], off);
-    }
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int swz = (C < 32 ? C : 32) - 1;
-  __syncthreads();  // the scratch's previous readers are done
-  if (lane < Q)
-#pragma unroll
-    for (int k = 0; k < P; ++k) red[warp * C + ((pc * P + k) ^ (warp & swz))] = make_float2(gs.s1[k], gs.s2[k]);
-  __syncthreads();
-  static_assert(kWarps == 32, "the tree gives lane w warp w's partial");
-  for (int ch = warp; ch < C; ch += kWarps) {  // warp-uniform
-    float2 t = red[lane * C + (ch ^ (lane & swz))];
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) {
-      t.x += cuda::shfl_xor(t.x, off);
-      t.y += cuda::shfl_xor(t.y, off);
-    }
-    if (lane == 0) {
-      ws[blockIdx.x * 2 * int64_t(C) + ch] = t.x;
-      ws[blockIdx.x * 2 * int64_t(C) + C + ch] = t.y;
-    }
-  }
+  for (int k = 0; k < P; ++k) acc[k] = make_float2(gs.s1[k], gs.s2[k]);
+  column_totals<P>(acc, C, red, [](float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); },
+                   [&](int ch, float2 t) {
+                     ws[blockIdx.x * 2 * int64_t(C) + ch] = t.x;
+                     ws[blockIdx.x * 2 * int64_t(C) + C + ch] = t.y;
+                   });
 }
 
 // The merge spread over the grid, as the forward's merge_spread: block b merges the channels of

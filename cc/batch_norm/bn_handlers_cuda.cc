@@ -175,13 +175,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardReduceCuda, BackwardReduceCuda,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardDxCuda, BackwardDxCuda,
                               bind_backward_dx(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardCuda, BackwardCuda,
+                              bind_backward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 JAXOPS_REGISTER("jaxops_bn_stats", BatchNormStatsCuda);
 JAXOPS_REGISTER("jaxops_bn_apply", BatchNormApplyCuda);
 JAXOPS_REGISTER("jaxops_bn_forward", BatchNormForwardCuda);
 JAXOPS_REGISTER("jaxops_bn_bwd_reduce", BatchNormBackwardReduceCuda);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BatchNormBackwardCuda, BackwardCuda,
-                              bind_backward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
 JAXOPS_REGISTER("jaxops_bn_bwd_dx", BatchNormBackwardDxCuda);
 JAXOPS_REGISTER("jaxops_bn_backward", BatchNormBackwardCuda);
 

@@ -156,8 +156,7 @@ __device__ __forceinline__ void merge_partials(const T* __restrict__ x, const fl
 // Q = C / P a power of two <= 32, so C is a power of two) from rows t / Q, t / Q + L, ...
 // (L = kThreads / Q). The first pass (shifted sums) rides on the load (load_slice<kSum>), the
 // second (M2 about the block's mean) reads shared memory. A pass's per-thread sums fold over the
-// lanes of a warp that share the column by xor shuffles, then over the 32 warps by a shuffle tree
-// (warp w totals channels w, w + 32, ...).
+// block by column_totals (bn_resident.cuh).
 // H100, session 23: 16-byte reads instead of a thread a channel took the phase 5.8 -> 5.0 us at
 // bfloat16 (16,112,112,32). Session 26: the first pass on the load, the pivots loaded before the
 // slice and the tree instead of one thread adding the 32 warps' partials in turn (see below).
@@ -188,32 +187,14 @@ struct VecStats {
       }
     }
   }
-  // Folds every thread's acc into tot[ch] (ch < C), the block's total, in a fixed order, and with
-  // rows > 0 the mean tot[ch] / rows into tot[C + ch] (one division a channel). redf holds the 32
-  // warps' partials at w * C + (ch ^ (w % min(C, 32))): the tree's lane w reads bank (ch ^ w) % 32 for
-  // C >= 32, so the 32 reads of a channel meet no bank conflict. Every thread must call it (it
-  // synchronises; tot is valid after it returns).
+  // The block's totals (column_totals) into tot[ch] and, with rows > 0, the mean tot[ch] / rows
+  // into tot[C + ch]: one division a channel. Every thread must call it (it synchronises; tot is
+  // valid after it returns).
   __device__ __forceinline__ void block_total(float (&acc)[P], int C, float* redf, float* tot, int rows) const {
-#pragma unroll
-    for (int k = 0; k < P; ++k)
-      for (int off = Q; off < 32; off *= 2) acc[k] += cuda::shfl_xor(acc[k], off);
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int swz = (C < 32 ? C : 32) - 1;
-    __syncthreads();  // the previous call's readers of redf are done
-    if (lane < Q)
-#pragma unroll
-      for (int k = 0; k < P; ++k) redf[warp * C + ((pc * P + k) ^ (warp & swz))] = acc[k];
-    __syncthreads();
-    static_assert(kWarps == 32, "the tree gives lane w warp w's partial");
-    for (int ch = warp; ch < C; ch += kWarps) {  // warp-uniform
-      float t = redf[lane * C + (ch ^ (lane & swz))];
-#pragma unroll
-      for (int off = 16; off > 0; off /= 2) t += cuda::shfl_xor(t, off);
-      if (lane == 0) {
-        tot[ch] = t;
-        if (rows > 0) tot[C + ch] = t / static_cast<float>(rows);
-      }
-    }
+    column_totals<P>(acc, C, redf, [](float a, float b) { return a + b; }, [&](int ch, float t) {
+      tot[ch] = t;
+      if (rows > 0) tot[C + ch] = t / static_cast<float>(rows);
+    });
     __syncthreads();
   }
 };

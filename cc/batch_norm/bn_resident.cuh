@@ -60,6 +60,34 @@ __device__ __forceinline__ void fold_lanes(FMoments* red, int j, int c, int C, i
   __syncthreads();
 }
 
+// Folds every thread's P partials of its pack column's channels (thread t holds column t % Q,
+// channels (t % Q) * P + k, Q = C / P a power of two <= 32, so C is one too) over the block in a
+// fixed order and calls done(ch, total) once a channel. The lanes of a warp that share the column
+// fold by xor shuffles; the 32 warps' partials go through red (kWarps * C values, at
+// w * C + (ch ^ (w % min(C, 32))), so a channel's 32 reads meet no bank conflict), and warp w
+// totals channels w, w + 32, ... by a shuffle tree. Two block barriers where a tree over shared
+// memory takes one a level. Every thread must call it; it synchronises first (red's previous
+// readers), but not after done.
+template <int P, class V, class Add, class Done>
+__device__ __forceinline__ void column_totals(V (&acc)[P], int C, V* red, Add add, Done done) {
+  const int Q = C / P, pc = threadIdx.x % Q;
+#pragma unroll
+  for (int k = 0; k < P; ++k)
+    for (int off = Q; off < 32; off *= 2) acc[k] = add(acc[k], cuda::shfl_xor(acc[k], off));
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int swz = (C < 32 ? C : 32) - 1;
+  __syncthreads();  // the previous readers of red are done
+  if (lane < Q)
+#pragma unroll
+    for (int k = 0; k < P; ++k) red[warp * C + ((pc * P + k) ^ (warp & swz))] = acc[k];
+  __syncthreads();
+  static_assert(kWarps == 32, "the tree gives lane w warp w's partial");
+  for (int ch = warp; ch < C; ch += kWarps) {  // warp-uniform
+    const V t = cuda::warp_reduce(red[lane * C + (ch ^ (lane & swz))], add);
+    if (lane == 0) done(ch, t);
+  }
+}
+
 // v = act((v - shift) * a + b (+ r)) in place, and the predicate bits (bit k: value k is
 // positive; 0 for k >= valid, the values past the end of the array).
 template <class T, int P>
