@@ -200,6 +200,40 @@ def test_gpu_stability_streaming(channels):
     check_stability(x.at[0].add(5.0).at[1_000_001].add(-7.0))
 
 
+# The one-kernel forward for inputs that fit shared memory (bn_resident.cu) against float64, var to
+# 1e-5: its blocks' M2 come from a second pass about the block's mean, and a sum-of-squares
+# shortcut (tried in session 27) would lose ~4 digits where the shift (the first row) is far from
+# a block's mean. "near": stationary data; "trend" (the mean drifts by 400 std over the rows) and
+# "far" (the first 8 rows 300 std off) put the shift far from every block's mean; "constant": a
+# channel of one value must give variance 0 exactly; "large": mean 1e4 and std 0.1. float32
+# C = 8 and 32, bfloat16 C = 32 (its values rounded to bfloat16). The CPU twin must pass it too.
+@pytest.mark.parametrize("data", ["near", "trend", "far", "constant", "large"])
+@pytest.mark.parametrize("shape,dtype", [((8, 56, 56, 32), jnp.float32), ((5, 57, 53, 8), jnp.float32),
+                                         ((8, 56, 56, 32), jnp.bfloat16)])
+def test_resident_variance_accuracy(data, shape, dtype):
+    k = jax.random.split(jax.random.key(17), 2)
+    rows, c = int(np.prod(shape[:-1])), shape[-1]
+    x = np.asarray(jax.random.normal(k[0], (rows, c), jnp.float32), np.float64) * 2.0 + 3.0
+    if data == "trend":
+        x += np.linspace(0.0, 800.0, rows)[:, None]
+    elif data == "far":
+        x[:8] += 600.0
+    elif data == "constant":
+        x[:, 1] = 7.25
+    elif data == "large":
+        x = 1e4 + 0.05 * (x - 3.0)
+    x = jnp.asarray(x.reshape(shape), jnp.float32).astype(dtype)
+    _, mean, var = jax.jit(lambda x: jaxops.batch_norm(x, jnp.ones(c), jnp.zeros(c)))(x)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64).reshape(rows, c)
+    m64, v64 = x64.mean(0), x64.var(0)
+    # the mean is shift + the mean of x - shift: a few ulps of the largest |x| (the "far" rows)
+    np.testing.assert_allclose(np.asarray(mean), m64, rtol=0, atol=2e-6 * np.sqrt(v64).max() + 4 * np.spacing(
+        np.abs(x64).max().astype(np.float32)))
+    np.testing.assert_allclose(np.asarray(var), v64, rtol=1e-5, atol=0)
+    if data == "constant":
+        assert float(var[1]) == 0.0
+
+
 def test_values_exactly_zero_at_relu(key):
     """Where the pre-activation is exactly 0, y is 0 and the gradient is 0 (like jax.nn.relu)."""
     shape = (8, 6, 5)

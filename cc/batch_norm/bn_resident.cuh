@@ -62,24 +62,44 @@ __device__ __forceinline__ void fold_lanes(FMoments* red, int j, int c, int C, i
 
 // Folds every thread's P partials of its pack column's channels (thread t holds column t % Q,
 // channels (t % Q) * P + k, Q = C / P a power of two <= 32, so C is one too) over the block in a
-// fixed order and calls done(ch, total) once a channel. The lanes of a warp that share the column
-// fold by xor shuffles; the 32 warps' partials go through red (kWarps * C values, at
-// w * C + (ch ^ (w % min(C, 32))), so a channel's 32 reads meet no bank conflict), and warp w
-// totals channels w, w + 32, ... by a shuffle tree. Two block barriers where a tree over shared
-// memory takes one a level. Every thread must call it; it synchronises first (red's previous
-// readers), but not after done.
+// fixed order and calls done(ch, total) once a channel. The G = 32 / Q lanes of a warp that share
+// the column reduce-scatter by xor shuffles: at offsets 16, 8, ... (>= Q) a lane keeps half of
+// its channels and adds its partner's half of them, so a warp shuffles P - 1 values instead of
+// P log2(G) (the SM shuffles one warp's value a cycle: 24 of them at bfloat16 C = 32 were ~1600
+// cycles of the block's fold); levels left once a lane holds one channel add it outright. The
+// 32 warps' partials go through red (kWarps * C values, at w * C + (ch ^ (w % min(C, 32))), so a
+// channel's 32 reads meet no bank conflict), and warp w totals channels w, w + 32, ... by a
+// shuffle tree. Two block barriers where a tree over shared memory takes one a level. Every
+// thread must call it; it synchronises first (red's previous readers), but not after done.
 template <int P, class V, class Add, class Done>
 __device__ __forceinline__ void column_totals(V (&acc)[P], int C, V* red, Add add, Done done) {
   const int Q = C / P, pc = threadIdx.x % Q;
-#pragma unroll
-  for (int k = 0; k < P; ++k)
-    for (int off = Q; off < 32; off *= 2) acc[k] = add(acc[k], cuda::shfl_xor(acc[k], off));
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int off = 16, base = 0, held = P;  // acc[0, held) hold channels pc * P + base + i
+#pragma unroll
+  for (int h = P / 2; h >= 1; h /= 2) {
+    if (off >= Q) {  // warp-uniform; once false, false for the smaller h too
+      const bool upper = (lane & off) != 0;
+#pragma unroll
+      for (int i = 0; i < h; ++i) {
+        const V send = upper ? acc[i] : acc[i + h];
+        const V keep = upper ? acc[i + h] : acc[i];
+        acc[i] = add(keep, cuda::shfl_xor(send, off));
+      }
+      base += upper ? h : 0;
+      held = h;
+      off /= 2;
+    }
+  }
+  // Lanes that differ only in the bits of the remaining offsets hold the same totals: one writes.
+  const bool writer = (lane & (2 * off - 1) & ~(Q - 1)) == 0;
+  for (; off >= Q; off /= 2) acc[0] = add(acc[0], cuda::shfl_xor(acc[0], off));
   const int swz = (C < 32 ? C : 32) - 1;
   __syncthreads();  // the previous readers of red are done
-  if (lane < Q)
+  if (writer)
 #pragma unroll
-    for (int k = 0; k < P; ++k) red[warp * C + ((pc * P + k) ^ (warp & swz))] = acc[k];
+    for (int i = 0; i < P; ++i)
+      if (i < held) red[warp * C + ((pc * P + base + i) ^ (warp & swz))] = acc[i];
   __syncthreads();
   static_assert(kWarps == 32, "the tree gives lane w warp w's partial");
   for (int ch = warp; ch < C; ch += kWarps) {  // warp-uniform
