@@ -65,8 +65,9 @@ __device__ __forceinline__ void fold_lanes(FMoments* red, int j, int c, int C, i
 // fixed order and calls done(ch, total) once a channel. The G = 32 / Q lanes of a warp that share
 // the column reduce-scatter by xor shuffles: at offsets 16, 8, ... (>= Q) a lane keeps half of
 // its channels and adds its partner's half of them, so a warp shuffles P - 1 values instead of
-// P log2(G) (the SM shuffles one warp's value a cycle: 24 of them at bfloat16 C = 32 were ~1600
-// cycles of the block's fold); levels left once a lane holds one channel add it outright. The
+// P log2(G) (the SM shuffles one warp's 32-bit value a cycle: at bfloat16 C = 32 the all-reduce
+// took 24 values a warp, 768 cycles a block, twice that for float2 pairs); levels left once a
+// lane holds one channel add it outright. The
 // 32 warps' partials go through red (kWarps * C values, at w * C + (ch ^ (w % min(C, 32))), so a
 // channel's 32 reads meet no bank conflict), and warp w totals channels w, w + 32, ... by a
 // shuffle tree. Two block barriers where a tree over shared memory takes one a level. Every
