@@ -306,7 +306,7 @@ hybrid_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const 
   }
   sum_run<T, P, true>(dy, x, mask, e0, sdy, sx, sbits, n0 / P, gs);
   sum_run<T, P, false>(dy, x, mask, e1, nullptr, nullptr, nullptr, n1 / P, gs);
-  if (kWarps * C * sizeof(float2) <= kThreads * sizeof(FMoments))
+  if (column_totals_fit<float2>(C))
     fold_sums_tree<P>(gs, reinterpret_cast<float2*>(sm.red), ws, C);
   else
     fold_sums<P>(gs, reinterpret_cast<float2*>(sm.red), ws, C);

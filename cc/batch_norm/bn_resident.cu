@@ -21,10 +21,10 @@
 //
 // Statistics: per block two passes (shifted mean, then M2 around it, exact), the first on the
 // load and the second over shared memory where the channels allow 16-byte reads (VecStats), else
-// both over shared memory,
-// shifted by the channel's first-row pivot like the streaming kernels (bn_reduce.cu); the
-// blocks' (count, sum, mean, M2) partials merge with chan_merge in a fixed order, identically in
-// every block, so the result depends only on the shape and the device's SM count.
+// both over shared memory, shifted by the channel's first-row pivot like the streaming kernels
+// (bn_reduce.cu); the blocks' (count, sum, mean, M2) partials merge with chan_merge in a fixed
+// order, identically in every block, so the result depends only on the shape and the device's
+// SM count.
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -202,8 +202,7 @@ struct VecStats {
 // Whether the kVec statistics apply: channels in whole 16-byte packs, Q a power of two <= 32,
 // and the 32 warps' partials (32 * C floats) fit the reduction scratch.
 __host__ __device__ constexpr bool vec_stats_fit(int64_t C, int P) {
-  return C % P == 0 && ((C / P) & (C / P - 1)) == 0 && C / P <= 32 &&
-         kWarps * C * sizeof(float) <= kThreads * sizeof(FMoments);
+  return C % P == 0 && ((C / P) & (C / P - 1)) == 0 && C / P <= 32 && column_totals_fit<float>(C);
 }
 
 // kFixed: the warp stride (kWarps * 32 * P elements) is a multiple of C, so a lane meets the same

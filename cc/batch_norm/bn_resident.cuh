@@ -60,6 +60,12 @@ __device__ __forceinline__ void fold_lanes(FMoments* red, int j, int c, int C, i
   __syncthreads();
 }
 
+// Whether column_totals' kWarps * C partials of type V fit its scratch (kThreads FMoments records).
+template <class V>
+__host__ __device__ constexpr bool column_totals_fit(int64_t C) {
+  return kWarps * C * sizeof(V) <= kThreads * sizeof(FMoments);
+}
+
 // Folds every thread's P partials of its pack column's channels (thread t holds column t % Q,
 // channels (t % Q) * P + k, Q = C / P a power of two <= 32, so C is one too) over the block in a
 // fixed order and calls done(ch, total) once a channel. The G = 32 / Q lanes of a warp that share
@@ -67,11 +73,11 @@ __device__ __forceinline__ void fold_lanes(FMoments* red, int j, int c, int C, i
 // its channels and adds its partner's half of them, so a warp shuffles P - 1 values instead of
 // P log2(G) (the SM shuffles one warp's 32-bit value a cycle: at bfloat16 C = 32 the all-reduce
 // took 24 values a warp, 768 cycles a block, twice that for float2 pairs); levels left once a
-// lane holds one channel add it outright. The
-// 32 warps' partials go through red (kWarps * C values, at w * C + (ch ^ (w % min(C, 32))), so a
-// channel's 32 reads meet no bank conflict), and warp w totals channels w, w + 32, ... by a
-// shuffle tree. Two block barriers where a tree over shared memory takes one a level. Every
-// thread must call it; it synchronises first (red's previous readers), but not after done.
+// lane holds one channel add it outright. The 32 warps' partials go through red (kWarps * C
+// values, at w * C + (ch ^ (w % min(C, 32))), so a channel's 32 reads meet no bank conflict;
+// column_totals_fit), and warp w totals channels w, w + 32, ... by a shuffle tree. Two block
+// barriers where a tree over shared memory takes one a level. Every thread must call it; it
+// synchronises first (red's previous readers), but not after done.
 template <int P, class V, class Add, class Done>
 __device__ __forceinline__ void column_totals(V (&acc)[P], int C, V* red, Add add, Done done) {
   const int Q = C / P, pc = threadIdx.x % Q;
