@@ -553,12 +553,16 @@ def test_gpu_resnet_shape(key, dtype):
 
 
 # The one-kernel training forward (cc/batch_norm/bn_resident.cu) on shapes that fill the GPU's
-# shared memory: float16, channel counts whose warp stride is not a multiple of C (7, 1000:
-# coefficients looked up per chunk), a partial last block. It takes 16-bit inputs only without a
+# shared memory: float16, channel counts whose warp stride is not a multiple of C (7 applies on 28
+# warps; 1000, with no such stride, takes the streaming kernels), a partial last block. It takes 16-bit inputs only without a
 # residual and up to 64K elements a block, so those cases run without one; bfloat16
 # (64,56,56,64), past that limit, checks that the streaming kernels take it.
 # The statistics read 16-byte packs when C / P is a power of two <= 32 and C <= 128 (VecStats): one
 # pack column (C = 8 bf16), 8, 16 and 32 of them, a partial last block; C = 7 and 1000 take the scalar form.
+# Many channels over few rows ((3001, 128), (128,7,7,320), (64,14,14,192), (4096, 1024)) merge the
+# blocks' partials spread over the grid, the others in every block (both forms are compared with
+# the streaming kernels below). C = 96, 40 and 7 apply on 30, 30 and 28 warps, whose stride is a
+# multiple of C.
 # The backward of every case runs as one kernel too where C / P is a power of two
 # (bn_backward_hybrid.cu: a slice of dy and x in shared memory, all of it for the smaller ones).
 # Larger than shared memory (bn_hybrid.cu: a slice a block in shared memory, the rest streamed):
@@ -572,7 +576,10 @@ def test_gpu_resnet_shape(key, dtype):
                           ((1999, 128), jnp.bfloat16, False),
                           ((64, 56, 56, 64), jnp.float32, True), ((128, 28, 28, 256), jnp.bfloat16, True),
                           ((2_000_003, 4), jnp.float32, True), ((2_000_001, 8), jnp.float16, True),
-                          ((8001, 1024), jnp.float32, True)])
+                          ((8001, 1024), jnp.float32, True),
+                          ((128, 7, 7, 320), jnp.float32, True), ((64, 14, 14, 192), jnp.bfloat16, False),
+                          ((4096, 1024), jnp.bfloat16, False), ((64, 28, 28, 96), jnp.bfloat16, False),
+                          ((128, 28, 28, 40), jnp.float32, True)])
 def test_gpu_resident_forward(key, shape, dtype, with_residual):
     check_large_add_relu(key, shape, dtype, with_residual)
 
@@ -590,7 +597,8 @@ out = {}
 # are larger than shared memory (bn_hybrid.cu).
 for i, (shape, dtype) in enumerate([((16, 112, 112, 32), jnp.float32), ((16, 112, 112, 32), jnp.bfloat16),
                                     ((3, 70001, 7), jnp.float32), ((2000, 1000), jnp.float16),
-                                    ((64, 56, 56, 64), jnp.float32), ((128, 28, 28, 256), jnp.bfloat16)]):
+                                    ((64, 56, 56, 64), jnp.float32), ((128, 28, 28, 256), jnp.bfloat16),
+                                    ((4096, 1024), jnp.float32)]):
     k = jax.random.split(jax.random.PRNGKey(i), 5)
     c = shape[-1]
     x = (2 * jax.random.normal(k[0], shape, jnp.float32) + 0.5).astype(dtype)
@@ -615,14 +623,18 @@ np.savez(sys.argv[1], **out)
 def test_gpu_resident_matches_streaming(tmp_path):
     """The one-kernel forwards and the streaming kernels (JAXOPS_BN_RESIDENT=0) agree to rounding:
     the same formulas, only the order of the statistics' additions differs."""
-    one = _probe(tmp_path, _PATH_PROBE, "resident", {})
     two = _probe(tmp_path, _PATH_PROBE, "streaming", {"JAXOPS_BN_RESIDENT": "0"})
-    assert sorted(one) == sorted(two) and len(one) == 3 * 8 + 3 * 7
-    for k in one:
-        a, b = one[k], two[k]
-        # 16-bit y and gradients: a last-bit difference of the statistics can flip one rounding
-        tol = 1e-4 if k.startswith(("0_", "2_", "4_")) else 1e-2
-        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, float(np.abs(b).max())), err_msg=k)
+    # The resident forward's two merges of the blocks' partials (JAXOPS_BN_MERGE, bn_test_hooks.h),
+    # each forced on every shape, and the launcher's own choice.
+    for merge in ("", "all", "spread"):
+        one = _probe(tmp_path, _PATH_PROBE, "resident" + merge, {"JAXOPS_BN_MERGE": merge} if merge else {})
+        assert sorted(one) == sorted(two) and len(one) == 4 * 8 + 3 * 7
+        for k in one:
+            a, b = one[k], two[k]
+            # 16-bit y and gradients: a last-bit difference of the statistics can flip one rounding
+            tol = 1e-4 if k.startswith(("0_", "2_", "4_", "6_")) else 1e-2
+            np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, float(np.abs(b).max())),
+                                       err_msg=f"{merge} {k}")
 
 
 # Session 6 determinism check: the column reductions used to choose their tile (pack width, row
@@ -675,7 +687,8 @@ def _probe(tmp_path, script, name, env):
     import subprocess
     import sys
 
-    full = {k: v for k, v in os.environ.items() if k not in ("JAXOPS_BN_ELEMENT_LOADS", "JAXOPS_BN_RESIDENT")}
+    hooks = ("JAXOPS_BN_ELEMENT_LOADS", "JAXOPS_BN_RESIDENT", "JAXOPS_BN_MERGE")
+    full = {k: v for k, v in os.environ.items() if k not in hooks}
     full.update(env)
     # The parent (pytest) may hold XLA's default 75 % of the GPU: the child allocates on demand.
     full.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -58,7 +58,7 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer sca
   if (cudaError_t err = resident_forward_cuda(stream, v, x.untyped_data(), scale.untyped_data(),
                                               bias.untyped_data(), res, y->untyped_data(), bits,
                                               mean->untyped_data(), var->untyped_data(), ws->untyped_data(), cap,
-                                              eps, relu != 0, &launched))
+                                              coef->untyped_data(), eps, relu != 0, &launched))
     return cuda_status(err, "batch_norm");
   if (launched) return ffi::Error::Success();
   if (cudaError_t err = hybrid_forward_cuda(stream, v, x.untyped_data(), scale.untyped_data(), bias.untyped_data(),

@@ -179,47 +179,6 @@ __device__ __forceinline__ void apply_run(const T* src, const T* __restrict__ re
   }
 }
 
-// The merge spread over the grid (the resident kernel has every block fold all partials, C / lanes
-// of them one after another: at C = 256, 33 dependent L2 round trips a thread; H100, session 24:
-// 5 us for the whole merge here, both barriers included). Block b merges the channels of rounds
-// b, b + G, ... (per channels a round): thread (j, cs) loads block j's partial of channel cs, then
-// a fixed tree over j; thread j = 0 writes the channel's mean, var and coefficients. A second grid
-// barrier, then every block loads the C coefficients. The order of the merges depends only on the
-// grid size, as before.
-template <class Count>
-__device__ __forceinline__ void merge_spread(const float* ws, float* __restrict__ mean_out,
-                                             float* __restrict__ var_out, float4* coef_g, const Smem& sm, int C,
-                                             float eps, Count count) {
-  const int G = gridDim.x;
-  int gp = 1;
-  while (gp < G) gp *= 2;
-  const int per = kThreads / gp;  // channels a round (the host keeps G <= kThreads)
-  const int j = threadIdx.x / per, cs = threadIdx.x % per;
-  for (int c0 = blockIdx.x * per; c0 < C; c0 += G * per) {  // block-uniform bounds
-    const int c = c0 + cs;
-    FMoments v{0.f, 0.f, 0.f, 0.f};
-    if (c < C && j < G) {
-      const float* p = ws + j * 3 * int64_t(C) + c;  // written in this launch: not through __ldg
-      v = FMoments{count(j), __ldcg(p), __ldcg(p + C), __ldcg(p + 2 * C)};
-    }
-    __syncthreads();  // the previous round's reads of red are done
-    sm.red[threadIdx.x] = v;
-    fold_lanes(sm.red, j, cs, per, gp, [](FMoments& d, const FMoments& o) { d.merge(o); });
-    if (j == 0 && c < C) {
-      const FMoments t = sm.red[cs];
-      const float4 in = sm.coef[c];  // {pivot, scale, bias}, stored at the kernel's start
-      const float mean = t.mean(in.x), var = t.var();
-      mean_out[c] = mean;
-      var_out[c] = var;
-      const Coef<float> q = forward_coef<float>(in.y, in.z, mean, var, eps);
-      coef_g[c] = make_float4(q.shift, q.a, q.b, 0.f);
-    }
-  }
-  cooperative_groups::this_grid().sync();
-  for (int c = threadIdx.x; c < C; c += kThreads) sm.coef[c] = __ldcg(coef_g + c);
-  __syncthreads();
-}
-
 template <class T, int P>
 __global__ void __launch_bounds__(kThreads, 1)
 hybrid_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale, const float* __restrict__ bias,
@@ -246,7 +205,8 @@ hybrid_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale, 
   cooperative_groups::this_grid().sync();
 
   merge_spread(ws, mean_out, var_out, coef_g, sm, C, eps,
-               [&](int64_t bk) { return static_cast<float>(sp.slice_rows(bk) + sp.span_rows(bk)); });
+               [&](int64_t bk) { return static_cast<float>(sp.slice_rows(bk) + sp.span_rows(bk)); },
+               [&](int c) { return sm.coef[c]; });  // {pivot, scale, bias}, stored at the start
   if (res) {
     apply_run<T, P, true>(x + e1, res + e1, y + e1, mask + e1 / 32, n1, sm.coef, C, relu, with_mask, true);
     apply_run<T, P, true>(xs, res + e0, y + e0, mask + e0 / 32, n0, sm.coef, C, relu, with_mask, false);

@@ -33,10 +33,12 @@ cudaError_t apply_cuda(cudaStream_t stream, const View& v, const void* x, const 
 
 // The whole training forward (statistics into mean/var, then y and the mask) in one cooperative
 // kernel when one group's x fits in the GPU's shared memory (bn_resident.cu); ws is the stats
-// workspace ((cap, 3, C)). Sets *launched to false, launching nothing, for any other shape.
+// workspace ((cap, 3, C)), coef a (4, C) float32 workspace. Sets *launched to false, launching
+// nothing, for any other shape.
 cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void* x, const void* scale,
                                   const void* bias, const void* residual, void* y, uint32_t* mask, void* mean,
-                                  void* var, void* ws, int64_t cap, double eps, bool relu, bool* launched);
+                                  void* var, void* ws, int64_t cap, void* coef, double eps, bool relu,
+                                  bool* launched);
 
 // The same in one cooperative kernel for a larger x whose channels come in 16-byte packs, C / P a
 // power of two (bn_hybrid.cu): a slice of rows stays in shared memory, the rest is read twice.

@@ -52,6 +52,7 @@ using namespace resident;  // kThreads, Smem, fold_lanes, normalize_pack, launch
 
 constexpr int kLoadUnroll = 4;  // 16-byte packs a thread loads before it stores them: 64 KB in flight per SM
 constexpr int64_t kLightBlockElems = 64 * 1024;  // see resident_forward_cuda
+constexpr int64_t kMaxMergeChain = 8;  // see resident_forward_cuda
 
 // Copies the n elements at src into shared memory: 16-byte packs, kLoadUnroll of them in flight
 // per thread, then the (last block's) tail element by element. kSum (the kVec layout, n whole
@@ -205,14 +206,16 @@ __host__ __device__ constexpr bool vec_stats_fit(int64_t C, int P) {
   return C % P == 0 && ((C / P) & (C / P - 1)) == 0 && C / P <= 32 && column_totals_fit<float>(C);
 }
 
-// kFixed: the warp stride (kWarps * 32 * P elements) is a multiple of C, so a lane meets the same
-// P channels on every chunk and keeps their coefficients in registers.
-template <class T, int P, bool kFixed, bool kVec>
+// The apply runs on the first `apply_warps` warps, whose stride (apply_warps * 32 * P elements) is
+// a multiple of C (host), so a lane meets the same P channels on every chunk and keeps their
+// coefficients in registers.
+template <class T, int P, bool kVec>
 __global__ void __launch_bounds__(kThreads, 1)
 resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale, const float* __restrict__ bias,
                         const T* __restrict__ res, T* __restrict__ y, uint32_t* __restrict__ mask,
                         float* __restrict__ mean_out, float* __restrict__ var_out, float* __restrict__ ws,
-                        int64_t R, int C, int64_t rpb, int lanes, float eps, bool relu, bool with_mask) {
+                        float4* __restrict__ coef_g, int64_t R, int C, int64_t rpb, int lanes, float eps, bool relu,
+                        bool with_mask, bool spread, int apply_warps) {
   cuda::enter_kernel();
   const Smem sm = smem_layout(C);
   T* xs = reinterpret_cast<T*>(sm.data);
@@ -275,35 +278,28 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
   }
   cooperative_groups::this_grid().sync();
 
-  merge_partials(x, ws, scale, bias, mean_out, var_out, sm, C, lanes, eps,
-                 [&](int64_t bk) { return static_cast<float>(min(rpb, R - bk * rpb)); });
+  const auto count = [&](int64_t bk) { return static_cast<float>(min(rpb, R - bk * rpb)); };
+  if (spread)  // grid-uniform
+    merge_spread(ws, mean_out, var_out, coef_g, sm, C, eps, count, [&](int ch) {
+      return make_float4(pivot_of(to_acc(x[ch])), scale[ch], bias[ch], 0.f);
+    });
+  else
+    merge_partials(x, ws, scale, bias, mean_out, var_out, sm, C, lanes, eps, count);
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   constexpr int kChunk = 32 * P;
-  constexpr int kStride = kWarps * kChunk;
-  const int delta = kStride % C;
-  int cl = (warp * kChunk + lane * P) % C;  // channel of the lane's first element on this chunk
+  const int stride = apply_warps * kChunk;
   float sh[P], a[P], b[P];
-  auto coefs = [&] {
-    int ck = cl;
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      const float4 q = sm.coef[ck];
-      sh[k] = q.x;
-      a[k] = q.y;
-      b[k] = q.z;
-      if (++ck == C) ck = 0;
-    }
-  };
-  if constexpr (kFixed) coefs();
+  // Channels of the lane's elements on every chunk; C < P wraps within a pack.
+  for (int k = 0, ck = (warp * kChunk + lane * P) % C; k < P; ++k, ck = ck + 1 == C ? 0 : ck + 1) {
+    const float4 q = sm.coef[ck];
+    sh[k] = q.x;
+    a[k] = q.y;
+    b[k] = q.z;
+  }
   const T* rs = res ? res + e0 : nullptr;
   uint32_t* mw = mask + e0 / 32;
-  for (int i = warp * kChunk; i < n; i += kStride) {  // warp-uniform bounds: the ballot sees all lanes
-    if constexpr (!kFixed) {
-      coefs();
-      cl += delta;
-      if (cl >= C) cl -= C;
-    }
+  for (int i = warp < apply_warps ? warp * kChunk : n; i < n; i += stride) {  // warp-uniform: the ballot sees all lanes
     const int i0 = i + lane * P;
     uint32_t bits = 0;
     if (i0 < n) bits = apply_pack<T, P>(xs, rs, y + e0, sh, a, b, i0, n, relu);
@@ -326,7 +322,8 @@ int pow2_floor(int v) {
 
 cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void* x, const void* scale,
                                   const void* bias, const void* residual, void* y, uint32_t* mask, void* mean,
-                                  void* var, void* ws, int64_t cap, double eps, bool relu, bool* launched) {
+                                  void* var, void* ws, int64_t cap, void* coef, double eps, bool relu,
+                                  bool* launched) {
   *launched = false;
   const int64_t R = v.rows, C = v.channels;
   if (resident_path_disabled() || v.groups != 1 || v.f64 || R < 1 || C < 1 || C > kMaxChannels) return cudaSuccess;
@@ -350,23 +347,37 @@ cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void
   // against 38.5 us; BN+Add+ReLU (16,112,112,32), 48.7K, 24.8 against 26.7) except for BN+ReLU
   // (16,112,112,32) (20.0 against 21.6).
   if (esize == 2 && (residual || rpb * C > kLightBlockElems)) return cudaSuccess;
+  // The apply runs on the most warps (at least half) whose stride is a multiple of C, so each lane
+  // keeps its channels' coefficients in registers: C = 96, 112, 192, 320, 40, 7 on 28-30 warps.
+  // Channel counts with no such stride (e.g. 1000) take the streaming kernels: reloading the
+  // coefficients a pack lost to them (H100, session 28, BN+ReLU (2000,1000): float32 20.9 against
+  // 17.4 us, bfloat16 27.8 against 18.4; (64,28,28,96) with a reload on every pack: float32 29.4,
+  // bfloat16 32.9, on 30 warps 24.7 and 20.1).
+  const int64_t pack = 16 / static_cast<int64_t>(esize);
+  int apply_warps = kWarps;
+  while (apply_warps > kWarps / 2 && apply_warps * 32 * pack % C != 0) --apply_warps;
+  if (apply_warps * 32 * pack % C != 0) return cudaSuccess;
   const size_t smem = smem_head(C) + static_cast<size_t>(rpb * C) * esize;
   if (smem > static_cast<size_t>(dev.max_smem_optin)) return cudaSuccess;
   const int64_t blocks = cuda::ceil_div(R, rpb);
   const int lanes = pow2_floor(static_cast<int>(kThreads / C));
+  // Every block folding all blocks' partials costs blocks / lanes dependent L2 round trips a
+  // thread; past kMaxMergeChain the merge spread over the grid (one more grid barrier) is cheaper.
+  bool spread = cuda::ceil_div(blocks, int64_t(lanes)) > kMaxMergeChain;
+  if (const int m = merge_mode()) spread = m == 2;
   // A generic lambda, so that `if constexpr` drops the float64 instantiation.
   auto go = [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
     if constexpr (sizeof(T) <= 4) {
       constexpr int P = 16 / sizeof(T);
-      const bool fixed = (kWarps * 32 * P) % C == 0, vec = vec_stats_fit(C, P);
-      auto kernel = fixed ? (vec ? resident_forward_kernel<T, P, true, true> : resident_forward_kernel<T, P, true, false>)
-                          : (vec ? resident_forward_kernel<T, P, false, true> : resident_forward_kernel<T, P, false, false>);
+      const bool vec = vec_stats_fit(C, P);
+      auto kernel = vec ? resident_forward_kernel<T, P, true> : resident_forward_kernel<T, P, false>;
       int64_t rows = R;
       int ci = static_cast<int>(C), li = lanes;
       float ef = static_cast<float>(eps);
       bool re = relu, with_mask = v.mask_words > 0;
-      void* args[] = {&x, &scale, &bias, &residual, &y, &mask, &mean, &var, &ws, &rows, &ci, &rpb, &li, &ef, &re, &with_mask};
+      void* args[] = {&x,    &scale, &bias, &residual, &y,  &mask, &mean,      &var,  &ws,
+                      &coef, &rows,  &ci,   &rpb,      &li, &ef,   &re,   &with_mask, &spread, &apply_warps};
       return launch_resident(kernel, blocks, smem, dev, stream, args, launched);
     }
     return cudaSuccess;

@@ -3,6 +3,7 @@
 // and the training backward bn_backward_hybrid.cu (a slice of dy and x). All run one block of
 // kThreads per SM as a cooperative grid. What only one of them uses stays in its file.
 #pragma once
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -113,6 +114,51 @@ __device__ __forceinline__ void column_totals(V (&acc)[P], int C, V* red, Add ad
     const V t = cuda::warp_reduce(red[lane * C + (ch ^ (lane & swz))], add);
     if (lane == 0) done(ch, t);
   }
+}
+
+// The blocks' partials (ws: (G, 3, C) of shifted sum, shifted mean, M2; G = gridDim.x <= kThreads,
+// count(j) block j's rows) merged across the grid: block b merges the channels of rounds b, b + G,
+// ... (per channels a round): thread (j, cs) loads block j's partial of channel cs, then a fixed
+// tree over j; thread j = 0 writes the channel's mean, var and coefficients (params(c): {pivot,
+// scale, bias}, fetched before the partials so the latencies overlap) to mean_out, var_out and
+// coef_g. A second grid barrier, then every block loads the C coefficients into sm.coef. The
+// alternative, every block folding all partials itself (bn_resident.cu's merge_partials), takes
+// C / lanes of them one after another a thread: at C = 256, 33 dependent L2 round trips (H100,
+// session 24: 5 us for this whole merge in bn_hybrid.cu, both barriers included). The order of
+// the merges depends only on the grid size.
+template <class Count, class Params>
+__device__ __forceinline__ void merge_spread(const float* ws, float* __restrict__ mean_out,
+                                             float* __restrict__ var_out, float4* coef_g, const Smem& sm, int C,
+                                             float eps, Count count, Params params) {
+  const int G = gridDim.x;
+  int gp = 1;
+  while (gp < G) gp *= 2;
+  const int per = kThreads / gp;  // channels a round
+  const int j = threadIdx.x / per, cs = threadIdx.x % per;
+  for (int c0 = blockIdx.x * per; c0 < C; c0 += G * per) {  // block-uniform bounds
+    const int c = c0 + cs;
+    float4 in = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (j == 0 && c < C) in = params(c);
+    FMoments v{0.f, 0.f, 0.f, 0.f};
+    if (c < C && j < G) {
+      const float* p = ws + j * 3 * int64_t(C) + c;  // written in this launch: not through __ldg
+      v = FMoments{count(j), __ldcg(p), __ldcg(p + C), __ldcg(p + 2 * C)};
+    }
+    __syncthreads();  // the previous round's reads of red are done
+    sm.red[threadIdx.x] = v;
+    fold_lanes(sm.red, j, cs, per, gp, [](FMoments& d, const FMoments& o) { d.merge(o); });
+    if (j == 0 && c < C) {
+      const FMoments t = sm.red[cs];
+      const float mean = t.mean(in.x), var = t.var();
+      mean_out[c] = mean;
+      var_out[c] = var;
+      const Coef<float> q = forward_coef<float>(in.y, in.z, mean, var, eps);
+      coef_g[c] = make_float4(q.shift, q.a, q.b, 0.f);
+    }
+  }
+  cooperative_groups::this_grid().sync();
+  for (int c = threadIdx.x; c < C; c += kThreads) sm.coef[c] = __ldcg(coef_g + c);
+  __syncthreads();
 }
 
 // v = act((v - shift) * a + b (+ r)) in place, and the predicate bits (bit k: value k is

@@ -8,6 +8,7 @@
 // plan and the order of additions must not depend on where XLA put the operands).
 #pragma once
 #include <cstdlib>
+#include <cstring>
 
 namespace jaxops::batch_norm {
 
@@ -28,6 +29,20 @@ inline bool resident_path_disabled() {
     return e != nullptr && e[0] == '0';
   }();
   return off;
+}
+
+// JAXOPS_BN_MERGE=all or =spread (read once per process) forces the resident forward's merge of
+// the blocks' partials (bn_resident.cu): every block folding all of them, or the merge spread over
+// the grid; unset, the launcher picks by shape. Returns 0 (unset), 1 (all) or 2 (spread).
+inline int merge_mode() {
+  static const int mode = [] {
+    const char* e = std::getenv("JAXOPS_BN_MERGE");
+    if (e == nullptr) return 0;
+    if (std::strcmp(e, "all") == 0) return 1;
+    if (std::strcmp(e, "spread") == 0) return 2;
+    return 0;
+  }();
+  return mode;
 }
 
 }  // namespace jaxops::batch_norm
