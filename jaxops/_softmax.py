@@ -112,8 +112,9 @@ def _last_axis_fwd(x, mask, log):
 
 def _last_axis_bwd(log, residuals, dy):
     y, mask = residuals
-    # softmax's backward needs no mask: y is already 0 where masked.
-    return _backward_call(y, dy, mask if log else None, log), None
+    # softmax's masked y is 0, but 0 * (dy - s) is NaN where the row's sum s is (a NaN or inf
+    # row) or dy is: jax.nn gives masked entries no gradient, so both ops pass the mask.
+    return _backward_call(y, dy, mask, log), None
 
 
 _last_axis.defvjp(_last_axis_fwd, _last_axis_bwd)

@@ -78,3 +78,14 @@ def test_named_column_ops_take_user_shapes():
     x = col.make_inputs(jax.random.key(0))
     assert col.jaxops_fn(*x).shape == (33,)
     np.testing.assert_array_equal(np.asarray(col.jaxops_fn(*x)), np.asarray(col.xla_fn(*x)))
+
+
+@pytest.mark.parametrize("op", ["softmax_masked", "softmax_masked_bwd"])
+def test_masked_softmax_cases_agree_with_xla(op):
+    """The masked cases time the same result on both sides: a baseline that computed something
+    else (the mask ignored, the masked cotangents counted) would make the ratio meaningless."""
+    (case,) = build_cases(Options(ops={op}, dtypes=["float32"], shapes=[(37, 301)], gpu=False))
+    inputs = case.make_inputs(jax.random.key(4))
+    assert not bool(np.all(np.asarray(inputs[-1])))  # some entries masked
+    np.testing.assert_allclose(np.asarray(case.jaxops_fn(*inputs)), np.asarray(case.xla_fn(*inputs)),
+                               rtol=2e-6, atol=1e-7)

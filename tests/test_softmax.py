@@ -147,6 +147,24 @@ def test_grad_matches_jax(name, dtype, cols, masked, key):
 
 
 @pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("cols", [77, 1001, 5000])
+def test_masked_grad_in_rows_with_nan_and_inf(name, cols, key):
+    """jax.nn gives masked entries no gradient, also in rows whose output is NaN (a NaN, +inf or
+    all -inf among the unmasked entries), and masked cotangents (here NaN) take no part."""
+    kx, kw, km = jax.random.split(key, 3)
+    x = np.array(normal(kx, (8, cols), jnp.float32, scale=3.0))
+    x[1, 3], x[2, 4], x[3, :] = np.nan, np.inf, -np.inf
+    x = jnp.asarray(x)
+    where = jax.random.bernoulli(km, 0.7, (8, cols)).at[:, 3:5].set(True).at[:, 0].set(False)
+    w = jnp.where(where, normal(kw, (8, cols), jnp.float32), np.nan)
+    _, vjp = jax.vjp(lambda a: OPS[name][0](a, where=where), x)
+    _, ref_vjp = jax.vjp(lambda a: OPS[name][1](a, where=where), x)
+    got = vjp(w)[0]
+    assert_close(got, ref_vjp(w)[0], jnp.float32, atol=1e-6)
+    assert np.all(np.asarray(got)[~np.asarray(where)] == 0)
+
+
+@pytest.mark.parametrize("name", OPS)
 def test_grad_under_jit_and_axis(name, key):
     x = normal(key, (5, 6, 7), jnp.float32)
     f = jax.jit(jax.grad(lambda a: jnp.sum(OPS[name][0](a, axis=1) ** 2)))
@@ -353,3 +371,127 @@ def test_lean_backward_over_rows(dtype, rows, cols, key):
         assert_close(got, want, dtype, atol=tol(dtype)["atol"] * scale)
         assert bool(jnp.all(jnp.isnan(got[0])))
     assert ON_GPU
+
+
+def _special_neighbours(x):
+    """At any width that is not whole packs, a row's first and last 16-byte packs hold its
+    neighbours' elements: row 4 sits between a NaN (row 3's last element) and +inf (row 5's
+    first) and must stay finite; row 7 is all -inf, row 9 -inf on every other element."""
+    x[3, -1] = np.nan
+    x[5, 0] = np.inf
+    x[7, :] = -np.inf
+    x[9, ::2] = -np.inf
+    return x
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("rows,cols", [(100_001, 5), (262_145, 77), (13_107, 197), (4_001, 1017), (3_001, 1018),
+                                       (2_001, 1025), (1_201, 4097), (407, 30522), (301, 50257), (17, 131075)])
+def test_rows_not_whole_packs(dtype, rows, cols, key):
+    """Rows that are not whole 16-byte packs read and write whole packs through their aligned
+    windows (session 29): the window's first and last packs are shared with the neighbouring rows,
+    whose elements must count as -inf (forward) or 0 (backward) and must not be overwritten.
+    Odd row counts: the array's last pack reaches past its end and is loaded element by element.
+    Widths cover the warp path (window up to 1024 columns: 5 .. 1017; 1017 bf16 spans exactly
+    1024), the cached path from 1018 bf16 (one block a row; 1025, 4097), persistent grids that
+    prefetch the next row, whose window may hold one pack more (30522, 50257: 2-block clusters,
+    several rows a cluster) and 16-block clusters (131075). Special values sit on the packs two
+    rows share; forward every row, backward judged on the kernel's own y (NaN and +inf rows in
+    the cotangent)."""
+    kx, kw = jax.random.split(key)
+    x = jnp.asarray(_special_neighbours(np.array(normal(kx, (rows, cols), jnp.float32, scale=3.0))), dtype)
+    w = np.array(normal(kw, (rows, cols), jnp.float32))
+    w[0, -1] = np.nan  # row 1 of dx sits between a NaN and +inf of the cotangent
+    w[2, 0] = np.inf
+    w = jnp.asarray(w, dtype)
+    for name in OPS:
+        y, vjp = jax.vjp(OPS[name][0], x)
+        assert_close(y, reference(name, x), dtype)
+        assert bool(jnp.all(jnp.isfinite(y[4])))
+        want = backward_from_y(name, y, w)
+        got = vjp(w)[0]
+        scale = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(want), want, 0))))
+        assert_close(got, want, dtype, atol=tol(dtype)["atol"] * scale)
+        assert bool(jnp.all(jnp.isnan(got[0]))) and bool(jnp.all(jnp.isfinite(got[1])))
+        assert bool(jnp.all(jnp.isfinite(got[4])))
+    assert ON_GPU
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("rows,cols", [(20_001, 77), (9_999, 197), (3_001, 1001)])
+def test_masked_rows_not_whole_packs(dtype, rows, cols, key):
+    """`where` on rows that are not whole packs: the warp path reads the mask through the same
+    windows (1001 columns: the cached path's masked kernel, element loads). Row 6 fully masked."""
+    kx, kw, km = jax.random.split(key, 3)
+    x = jnp.asarray(_special_neighbours(np.array(normal(kx, (rows, cols), jnp.float32, scale=3.0))), dtype)
+    w = normal(kw, (rows, cols), dtype)
+    where = jax.random.bernoulli(km, 0.7, (rows, cols)).at[6].set(False)
+    for name in OPS:
+        y, vjp = jax.vjp(lambda a: OPS[name][0](a, where=where), x)
+        assert_close(y, reference(name, x, where=where), dtype)
+        ref_y, ref_vjp = jax.vjp(lambda a: reference(name, a, where=where), x)
+        cot = jnp.where(where, w, 0)  # masked log_softmax outputs are -inf
+        # Masked entries' gradients are 0, also in rows that are NaN (jax.nn's are NaN there).
+        want = jnp.where(where, ref_vjp(cot.astype(ref_y.dtype))[0], 0)
+        assert_close(vjp(cot)[0], want.astype(dtype), dtype,
+                     **({"atol": 1e-5} if dtype == jnp.float32 else {"atol": 2e-2}))
+    assert ON_GPU
+
+
+# The window rule (softmax.cu) sends short warp rows to element loads; JAXOPS_SOFTMAX_WINDOW=1
+# forces every row that can through its window and =0 none, so both kernels of each shape are
+# checked whichever the rule picks. The probe writes x, the cotangent, y and dx per case.
+_WINDOW_PROBE = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+import jaxops
+out = {}
+for i, (rows, cols, dtype, masked) in enumerate([(20001, 77, "bfloat16", False), (20001, 77, "float32", True),
+                                                 (9999, 197, "bfloat16", True), (9999, 197, "float32", False),
+                                                 (50001, 13, "float32", False), (4001, 1001, "bfloat16", False),
+                                                 (301, 50257, "bfloat16", False)]):
+    kx, kw, km = jax.random.split(jax.random.key(i), 3)
+    x = np.array(jax.random.normal(kx, (rows, cols), jnp.float32) * 3)
+    x[3, -1], x[5, 0], x[7, :] = np.nan, np.inf, -np.inf
+    x = jnp.asarray(x, dtype)
+    where = jax.random.bernoulli(km, 0.7, (rows, cols)) if masked else None
+    w = jax.random.normal(kw, (rows, cols), jnp.float32).astype(dtype)
+    w = jnp.where(where, w, 0) if masked else w
+    for name, f in (("softmax", jaxops.softmax), ("log_softmax", jaxops.log_softmax)):
+        y, vjp = jax.vjp(lambda a: f(a, where=where), x)
+        key = f"{i}_{name}"
+        out[key + "_x"], out[key + "_w"] = np.asarray(x.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
+        out[key + "_y"], out[key + "_dx"] = np.asarray(y.astype(jnp.float32)), np.asarray(vjp(w)[0].astype(jnp.float32))
+        out[key + "_m"] = np.asarray(where) if masked else np.ones((rows, cols), bool)
+        out[key + "_dtype"] = np.array(dtype)
+np.savez(sys.argv[1], **out)
+"""
+
+
+@gpu_only
+@pytest.mark.parametrize("mode", ["1", "0"])
+def test_window_and_element_kernels_on_the_same_rows(tmp_path, mode):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAXOPS_SOFTMAX_WINDOW"}
+    env.update({"JAXOPS_SOFTMAX_WINDOW": mode, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    path = tmp_path / f"window{mode}.npz"
+    # cwd: from the repository root the source jaxops/ would shadow the installed package.
+    subprocess.run([sys.executable, "-c", _WINDOW_PROBE, str(path)], env=env, cwd=tmp_path, check=True, timeout=600)
+    got = dict(np.load(path))
+    keys = sorted(k[:-2] for k in got if k.endswith("_y"))
+    assert len(keys) == 14
+    for key in keys:
+        name = key.split("_", 1)[1]
+        dtype = jnp.dtype(str(got[key + "_dtype"]))
+        x, where = jnp.asarray(got[key + "_x"], dtype), jnp.asarray(got[key + "_m"])
+        ref_y, ref_vjp = jax.vjp(lambda a: reference(name, a, where=where), x)
+        assert_close(jnp.asarray(got[key + "_y"]), ref_y, dtype)
+        want = ref_vjp(jnp.asarray(got[key + "_w"], ref_y.dtype))[0].astype(jnp.float32)
+        want = jnp.where(where, want, 0)  # masked entries' gradients are 0, also in NaN rows
+        scale = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(want), want, 0))))
+        assert_close(jnp.asarray(got[key + "_dx"]), want, dtype, atol=max(tol(dtype)["atol"], 2e-2) * scale)

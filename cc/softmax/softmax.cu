@@ -1,6 +1,8 @@
 // CUDA softmax / log_softmax over the last axis, forward and backward.
 //
-// Three paths by row length, each reading the input once where it can:
+// Three paths by row length, each reading the input once where it can (rows that are not whole
+// 16-byte packs take the warp and cached paths through their aligned windows,
+// softmax_window.cuh, or else single elements):
 //  - warp: rows <= 1024 columns live in registers of a group of 1..32 lanes;
 //  - cached: a block (or a Hopper thread-block cluster of up to 16 blocks) caches its slice of
 //    the row in shared memory (filled by cp.async for 16-byte packs); cluster partials are
@@ -23,6 +25,7 @@
 #include "common/launch.cuh"
 #include "softmax/softmax_cached.cuh"
 #include "softmax/softmax_cuda.h"
+#include "softmax/softmax_test_hooks.h"
 #include "softmax/softmax_uncached.cuh"
 #include "softmax/softmax_warp.cuh"
 
@@ -175,6 +178,67 @@ int64_t uncached_grid(int64_t rows, const DeviceInfo& dev) {
   return std::min<int64_t>(rows, int64_t(dev.sm_count) * 2);
 }
 
+// The cp.async cached forward (16-byte packs, float32 and 16-bit types; float64's kernel spills
+// its log), masked (kMaskable) or not: false when no cluster can cache the row. kWindow: rows
+// that are not whole packs, planned for their widest window.
+template <class T, int P, bool kWindow, bool kMaskable>
+bool launch_async_forward(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols, bool log,
+                          cudaStream_t stream, const DeviceInfo& dev, cudaError_t* err) {
+  const int64_t plan_cols = kWindow ? window_cols<P>(cols) : cols;
+  const size_t col_bytes = sizeof(T) + (kMaskable ? 1 : 0);  // the mask's slice is cached too
+  CachedPlan plan;
+  if (!remembered_plan(forward_cached<T, P, kMaskable, false, kWindow>, plan_cols, P, col_bytes, dev, &plan,
+                       kForwardLongSliceBytes)) {
+    return false;
+  }
+  // Only rows long enough for a large cluster look up the pair kernel's own plan.
+  CachedPlan pair;
+  if (plan.cluster >= kPairStatsMinCluster &&
+      remembered_plan(forward_cached<T, P, kMaskable, true, kWindow>, plan_cols, P, col_bytes, dev, &pair,
+                      kForwardLongSliceBytes) &&
+      pair.cluster >= kPairStatsMinCluster) {
+    *err = launch_clustered(forward_cached<T, P, kMaskable, true, kWindow>, unmasked_cached_grid(rows, pair),
+                            pair.threads, pair.smem, pair.cluster, stream, x, mask, y, rows, cols, pair.slice, log);
+    return true;
+  }
+  *err = launch_clustered(forward_cached<T, P, kMaskable, false, kWindow>, unmasked_cached_grid(rows, plan),
+                          plan.threads, plan.smem, plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
+  return true;
+}
+
+template <class T, int P, bool kWindow>
+bool launch_async_forward(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols, bool log,
+                          cudaStream_t stream, const DeviceInfo& dev, cudaError_t* err) {
+  return mask ? launch_async_forward<T, P, kWindow, true>(x, mask, y, rows, cols, log, stream, dev, err)
+              : launch_async_forward<T, P, kWindow, false>(x, nullptr, y, rows, cols, log, stream, dev, err);
+}
+
+// The lean backward (16-byte packs, float32 and 16-bit types), masked (kMaskable) or not, when it
+// has a plan, and a persistent one unless `any_plan`: false otherwise.
+template <class T, int P, bool kWindow, bool kMaskable>
+bool launch_lean_backward(const T* y, const T* dy, const bool* mask, T* dx, int64_t rows, int64_t cols, bool log,
+                          bool any_plan, cudaStream_t stream, const DeviceInfo& dev, cudaError_t* err) {
+  const int64_t plan_cols = kWindow ? window_cols<P>(cols) : cols;
+  CachedPlan plan;
+  const size_t col_bytes = 2 * sizeof(T) + (kMaskable ? 1 : 0);  // the mask's slice is cached too
+  if (!remembered_plan(backward_cached_lean<T, P, kWindow, kMaskable>, plan_cols, P, col_bytes, dev, &plan) ||
+      !(any_plan || persistent_plan(plan))) {
+    return false;
+  }
+  *err = launch_clustered(backward_cached_lean<T, P, kWindow, kMaskable>, cached_grid(rows, plan), plan.threads,
+                          plan.smem, plan.cluster, stream, y, dy, mask, dx, rows, cols, plan.slice,
+                          l2_prefetch_bytes(plan, dev, 2, sizeof(T)), log);
+  return true;
+}
+
+template <class T, int P, bool kWindow>
+bool launch_lean_backward(const T* y, const T* dy, const bool* mask, T* dx, int64_t rows, int64_t cols, bool log,
+                          bool any_plan, cudaStream_t stream, const DeviceInfo& dev, cudaError_t* err) {
+  return mask ? launch_lean_backward<T, P, kWindow, true>(y, dy, mask, dx, rows, cols, log, any_plan, stream, dev, err)
+              : launch_lean_backward<T, P, kWindow, false>(y, dy, nullptr, dx, rows, cols, log, any_plan, stream, dev,
+                                                           err);
+}
+
 template <class T, int P>
 cudaError_t forward_packed(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols, bool log,
                            cudaStream_t stream, const DeviceInfo& dev) {
@@ -185,23 +249,11 @@ cudaError_t forward_packed(const T* x, const bool* mask, T* y, int64_t rows, int
           mask, y, rows, cols, log);
     });
   }
-  CachedPlan plan;
-  if constexpr (kAsyncPack<T, P> && sizeof(T) <= 4) {  // float64's lean kernel spills (its log)
-    if (mask == nullptr) {
-      if (remembered_plan(forward_cached<T, P, false, false>, cols, P, sizeof(T), dev, &plan, kForwardLongSliceBytes)) {
-        // Only rows long enough for a large cluster look up the pair kernel's own plan.
-        CachedPlan pair;
-        if (plan.cluster >= kPairStatsMinCluster &&
-            remembered_plan(forward_cached<T, P, false, true>, cols, P, sizeof(T), dev, &pair, kForwardLongSliceBytes) &&
-            pair.cluster >= kPairStatsMinCluster) {
-          return launch_clustered(forward_cached<T, P, false, true>, unmasked_cached_grid(rows, pair), pair.threads,
-                                  pair.smem, pair.cluster, stream, x, mask, y, rows, cols, pair.slice, log);
-        }
-        return launch_clustered(forward_cached<T, P, false, false>, unmasked_cached_grid(rows, plan), plan.threads,
-                                plan.smem, plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
-      }
-    }
+  if constexpr (kAsyncPack<T, P> && sizeof(T) <= 4) {
+    cudaError_t err;
+    if (launch_async_forward<T, P, false>(x, mask, y, rows, cols, log, stream, dev, &err)) return err;
   }
+  CachedPlan plan;
   if (remembered_plan(forward_cached<T, P, true, false>, cols, P, sizeof(T), dev, &plan)) {
     return launch_clustered(forward_cached<T, P, true, false>, cached_grid(rows, plan), plan.threads, plan.smem,
                             plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
@@ -220,23 +272,83 @@ cudaError_t backward_packed(const T* y, const T* dy, const bool* mask, T* dx, in
           dy, mask, dx, rows, cols, log);
     });
   }
-  CachedPlan plan;
-  // Unmasked 16-byte packs on a persistent plan: the lean kernel. Rows within one block's cache
-  // budget keep the register-staged kernel below (0.92-0.97 of the 3-pass bound in session 5).
+  // 16-byte packs on a persistent plan: the lean kernel. Rows within one block's cache budget keep
+  // the register-staged kernel below (0.92-0.97 of the 3-pass bound in session 5).
   if constexpr (kAsyncPack<T, P> && sizeof(T) <= 4) {
-    if (mask == nullptr && remembered_plan(backward_cached_lean<T, P>, cols, P, 2 * sizeof(T), dev, &plan) &&
-        persistent_plan(plan)) {
-      return launch_clustered(backward_cached_lean<T, P>, cached_grid(rows, plan), plan.threads, plan.smem,
-                              plan.cluster, stream, y, dy, dx, rows, cols, plan.slice,
-                              l2_prefetch_bytes(plan, dev, 2, sizeof(T)), log);
-    }
+    cudaError_t err;
+    if (launch_lean_backward<T, P, false>(y, dy, mask, dx, rows, cols, log, false, stream, dev, &err)) return err;
   }
+  CachedPlan plan;
   if (remembered_plan(backward_cached<T, P>, cols, P, 2 * sizeof(T), dev, &plan)) {
     return launch_clustered(backward_cached<T, P>, cached_grid(rows, plan), plan.threads, plan.smem,
                             plan.cluster, stream, y, dy, mask, dx, rows, cols, plan.slice, log);
   }
   return cuda::launch_kernel(backward_uncached<T, P>, uncached_grid(rows, dev), 1024, 0, stream, y, dy, mask, dx, rows,
       cols, log);
+}
+
+// Warp-path rows read their windows only where that measured faster than element loads (H100,
+// session 29 runs 1 and 3, µs window / elements, bf16 then float32). Forward: up to 128 window
+// columns (524288x33 47.5 / 158.2, 57.6 / 158.2; 262144x77 48.6 / 79.5, 63.0 / 79.6); from 129
+// on the element kernel's 32 lanes a row win (131072x129 47.7 / 46.1, 55.8 / 52.1; 65536x257
+// 44.9 / 39.6, 65.2 / 51.2; 16384x1001 36.1 / 32.3, 65.1 / 54.1). Backward: up to 64 (524288x33
+// 60.9 / 61.4, 76.6 / 88.8) and from 257 (65536x257 53.7 / 67.0, 77.0 / 97.5; 16384x1001
+// 57.6 / 119.4, 85.5 / 179.6); between, elements (262144x77 63.5 / 51.9, 87.6 / 88.2; 131072x129
+// 61.3 / 45.5, 74.2 / 73.6). Unexplained: the window warp kernels carry the edge tests and 54-56
+// registers (16-bit) against the element kernels' 20-40; not profiled. A masked forward takes the
+// window at every width: the element kernel's flag-at-a-time mask reads lost wherever measured
+// (session 30, masked 16384x1001 50.9 / 116.9, 73.0 / 133.1; 262144x77 62.6 / 79.5, 73.6 / 79.9);
+// the masked backward follows the unmasked rule (262144x77 79.0 / 64.3; 16384x1001 73.2 / 123.7).
+constexpr int64_t kForwardWarpWindowMaxCols = 128;
+constexpr int64_t kBackwardWarpWindowMaxShortCols = 64;
+constexpr int64_t kBackwardWarpWindowMinCols = 257;
+
+// Rows that are not whole 16-byte packs, through their aligned windows: the warp path for windows
+// of up to kWarpMaxCols columns, else the cp.async cached kernels (the lean backward on any plan:
+// the register-staged one has no window). False when neither applies.
+template <class T, int P>
+bool forward_window(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols, bool log, cudaStream_t stream,
+                    const DeviceInfo& dev, cudaError_t* err) {
+  if (window_cols<P>(cols) <= kWarpMaxCols) {
+    if (window_mode() == WindowMode::kAuto && !mask && window_cols<P>(cols) > kForwardWarpWindowMaxCols) return false;
+    *err = with_warp_shape<P, 2>(window_cols<P>(cols), [&](auto w, auto k) {
+      constexpr int W = decltype(w)::value, K = decltype(k)::value;
+      return cuda::launch_kernel(forward_warp<T, P, W, K, true>, forward_warp_grid(rows, W), kWarpBlockThreads, 0,
+                                 stream, x, mask, y, rows, cols, log);
+    });
+    return true;
+  }
+  return launch_async_forward<T, P, true>(x, mask, y, rows, cols, log, stream, dev, err);
+}
+
+template <class T, int P>
+bool backward_window(const T* y, const T* dy, const bool* mask, T* dx, int64_t rows, int64_t cols, bool log,
+                     cudaStream_t stream, const DeviceInfo& dev, cudaError_t* err) {
+  if (window_cols<P>(cols) <= kWarpMaxCols) {
+    const int64_t wcols = window_cols<P>(cols);
+    if (window_mode() == WindowMode::kAuto && wcols > kBackwardWarpWindowMaxShortCols &&
+        wcols < kBackwardWarpWindowMinCols) {
+      return false;
+    }
+    *err = with_warp_shape<P, 1>(window_cols<P>(cols), [&](auto w, auto k) {
+      constexpr int W = decltype(w)::value, K = decltype(k)::value;
+      return cuda::launch_kernel(backward_warp<T, P, W, K, true>, warp_grid(rows, W, dev), kWarpBlockThreads, 0,
+                                 stream, y, dy, mask, dx, rows, cols, log);
+    });
+    return true;
+  }
+  return launch_lean_backward<T, P, true>(y, dy, mask, dx, rows, cols, log, true, stream, dev, err);
+}
+
+// Whether a row that is not whole packs may take the window kernels: 16-byte aligned operands
+// (the mask aligned to its packs of P flags), float32 or a 16-bit type, at least one pack a row.
+template <class T>
+bool use_window(int64_t cols, const void* a, const void* b, const void* c, const void* mask) {
+  constexpr int kWide = 16 / sizeof(T);
+  if (sizeof(T) > 4 || cols < kWide || window_mode() == WindowMode::kNever) return false;
+  for (const void* p : {a, b, c})
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return mask == nullptr || reinterpret_cast<uintptr_t>(mask) % kWide == 0;
 }
 
 // 16-byte packs when the row length and pointers allow, else single elements.
@@ -260,6 +372,12 @@ cudaError_t forward_cuda(Dtype dtype, const void* x, const bool* mask, void* y, 
     T* yt = static_cast<T*>(y);
     if (use_wide_pack<T>(cols, x, y, nullptr, mask))
       return forward_packed<T, kWide>(xt, mask, yt, rows, cols, log, stream, dev);
+    if constexpr (sizeof(T) <= 4) {
+      cudaError_t err;
+      if (use_window<T>(cols, x, y, nullptr, mask) &&
+          forward_window<T, kWide>(xt, mask, yt, rows, cols, log, stream, dev, &err))
+        return err;
+    }
     return forward_packed<T, 1>(xt, mask, yt, rows, cols, log, stream, dev);
   });
   return cudaSuccess;
@@ -276,6 +394,12 @@ cudaError_t backward_cuda(Dtype dtype, const void* y, const void* dy, const bool
     T* dxt = static_cast<T*>(dx);
     if (use_wide_pack<T>(cols, y, dy, dx, mask))
       return backward_packed<T, kWide>(yt, gt, mask, dxt, rows, cols, log, stream, dev);
+    if constexpr (sizeof(T) <= 4) {
+      cudaError_t err;
+      if (use_window<T>(cols, y, dy, dx, mask) &&
+          backward_window<T, kWide>(yt, gt, mask, dxt, rows, cols, log, stream, dev, &err))
+        return err;
+    }
     return backward_packed<T, 1>(yt, gt, mask, dxt, rows, cols, log, stream, dev);
   });
   return cudaSuccess;

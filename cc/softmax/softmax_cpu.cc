@@ -53,8 +53,9 @@ void backward_rows(const T* y, const T* dy, const bool* mask, T* dx, int64_t row
     T* dxr = dx + r * cols;
     A s = 0;
     for (int64_t c = 0; c < cols; ++c) {
+      if (mr && !mr[c]) continue;  // masked entries take no part, as in jax.nn
       if (log) {
-        if (!mr || mr[c]) s += to_float(dyr[c]);
+        s += to_float(dyr[c]);
       } else {
         s += static_cast<A>(to_float(dyr[c])) * to_float(yr[c]);
       }
@@ -62,7 +63,8 @@ void backward_rows(const T* y, const T* dy, const bool* mask, T* dx, int64_t row
     for (int64_t c = 0; c < cols; ++c) {
       const A yv = to_float(yr[c]), g = to_float(dyr[c]);
       A out;
-      if (log) out = (mr && !mr[c]) ? A(0) : g - std::exp(yv) * s;
+      if (mr && !mr[c]) out = 0;  // no gradient, also in NaN rows
+      else if (log) out = g - std::exp(yv) * s;
       else out = yv * (g - s);
       dxr[c] = from_float<T>(out);
     }

@@ -84,16 +84,17 @@ backward_uncached(const T* __restrict__ y, const T* __restrict__ dy, const bool*
     A s = 0;
     for (int64_t i = threadIdx.x; i < npacks; i += blockDim.x) {
       const Pack<T, P> pg = load_pack<T, P>(dy + off + i * P);
+      Pack<bool, P> mk;
+      if (mask) mk = load_pack<bool, P>(mask + off + i * P);
       if (log) {
-        Pack<bool, P> mk;
-        if (mask) mk = load_pack<bool, P>(mask + off + i * P);
 #pragma unroll
         for (int p = 0; p < P; ++p)
           if (!mask || mk.v[p]) s += to_acc(pg.v[p]);
       } else {
         const Pack<T, P> py = load_pack<T, P>(y + off + i * P);
 #pragma unroll
-        for (int p = 0; p < P; ++p) s += to_acc(py.v[p]) * to_acc(pg.v[p]);
+        for (int p = 0; p < P; ++p)
+          if (!mask || mk.v[p]) s += to_acc(py.v[p]) * to_acc(pg.v[p]);
       }
     }
     s = block_reduce<SumOp>(s, scratch);
@@ -101,13 +102,13 @@ backward_uncached(const T* __restrict__ y, const T* __restrict__ dy, const bool*
       const Pack<T, P> py = load_pack<T, P>(y + off + i * P);
       const Pack<T, P> pg = load_pack<T, P>(dy + off + i * P);
       Pack<bool, P> mk;
-      if (mask && log) mk = load_pack<bool, P>(mask + off + i * P);
+      if (mask) mk = load_pack<bool, P>(mask + off + i * P);
       Pack<T, P> out;
 #pragma unroll
       for (int p = 0; p < P; ++p) {
         const A yy = to_acc(py.v[p]), g = to_acc(pg.v[p]);
         A r = log ? g - fast_exp(yy) * s : yy * (g - s);
-        if (mask && log && !mk.v[p]) r = 0;
+        if (mask && !mk.v[p]) r = 0;  // no gradient, as in jax.nn (also in NaN rows)
         out.v[p] = from_acc<T>(r);
       }
       store_pack<T, P>(dx + off + i * P, out);

@@ -7,20 +7,26 @@
 
 #include "common/launch.cuh"
 #include "softmax/softmax_common.cuh"
+#include "softmax/softmax_window.cuh"
 
 namespace jaxops::softmax {
 
 // Warp path: a group of W lanes per row, K packs of P elements per lane, interleaved so each
-// pack index is one coalesced access across the group.
+// pack index is one coalesced access across the group. kWindow: rows that are not whole packs,
+// read through their aligned windows (softmax_window.cuh); W and K then hold the widest window.
 
 // 16-bit rows of up to 16 values a lane are capped at 40 registers (12 blocks a SM, 1536 threads): the
 // narrow 16-bit shapes (W = 2, 4) otherwise take 48 and lose a sixth of their rows in flight;
 // float32 rows of up to 8 values a lane at 32 (16 blocks, full occupancy, as before session 5).
-template <class T, int P, int W, int K>
-constexpr int kWarpMinBlocks = sizeof(T) == 2 && K * P <= 16 ? 12 : sizeof(T) == 4 && K * P <= 8 ? 16 : 1;
+// Window rows need a few more (their row's window and the edge tests): 56 and 40 registers,
+// the most blocks at which they do not spill.
+template <class T, int P, int W, int K, bool kWindow>
+constexpr int kWarpMinBlocks = sizeof(T) == 2 && K * P <= 16 ? (kWindow ? 9 : 12)
+                               : sizeof(T) == 4 && K * P <= 8 ? (kWindow ? 12 : 16)
+                                                              : 1;
 
-template <class T, int P, int W, int K>
-__global__ void __launch_bounds__(kWarpBlockThreads, (kWarpMinBlocks<T, P, W, K>))
+template <class T, int P, int W, int K, bool kWindow = false>
+__global__ void __launch_bounds__(kWarpBlockThreads, (kWarpMinBlocks<T, P, W, K, kWindow>))
 forward_warp(const T* __restrict__ x, const bool* __restrict__ mask, T* __restrict__ y, int64_t rows,
              int64_t cols, bool log) {
   cuda::enter_kernel();
@@ -31,21 +37,30 @@ forward_warp(const T* __restrict__ x, const bool* __restrict__ mask, T* __restri
   const int lane = threadIdx.x % W;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t nwarps = int64_t(gridDim.x) * blockDim.x / 32;
+  const int64_t total = rows * cols;
+  const T ninf = from_acc<T>(neg_inf<A>());
   for (int64_t base = warp * kRowsPerWarp; base < rows; base += nwarps * kRowsPerWarp) {
     const int64_t row = base + (threadIdx.x % 32) / W;
     const bool active = row < rows;
-    const T* const xr = x + row * cols;
+    [[maybe_unused]] const RowWindow<P> w(row, cols);
     A v[K][P];
     uint32_t masked = 0;
     A m = neg_inf<A>();
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int col = (k * W + lane) * P;  // < 2^31: rows here have <= 1024 columns
-      if (active && col < cols) {
-        const Pack<T, P> pk = load_pack<T, P>(xr + col);
+      const int j = k * W + lane;  // < 2^31: rows here have <= 1024 columns
+      if (active && (kWindow ? j < w.packs : j * P < cols)) {
+        const int64_t g = kWindow ? w.base + j * P : row * cols + j * P;
+        Pack<T, P> pk;
+        if constexpr (kWindow) {
+          pk = load_window_pack<T, P>(x, g, total, ninf);
+          fill_outside<T, P>(pk, w, j, ninf);
+        } else {
+          pk = load_pack<T, P>(x + g);
+        }
         unpack<T, P>(pk, v[k]);
         if (mask) {
-          const Pack<bool, P> mk = load_pack<bool, P>(mask + row * cols + col);
+          const Pack<bool, P> mk = kWindow ? load_window_pack<bool, P>(mask, g, total, true) : load_pack<bool, P>(mask + g);
 #pragma unroll
           for (int p = 0; p < P; ++p) {
             if (!mk.v[p]) {
@@ -63,8 +78,8 @@ forward_warp(const T* __restrict__ x, const bool* __restrict__ mask, T* __restri
     A s = 0;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int col = (k * W + lane) * P;
-      if (active && col < cols) {
+      const int j = k * W + lane;
+      if (active && (kWindow ? j < w.packs : j * P < cols)) {
 #pragma unroll
         for (int p = 0; p < P; ++p) {
           const A e = ex(v[k][p]);
@@ -75,24 +90,27 @@ forward_warp(const T* __restrict__ x, const bool* __restrict__ mask, T* __restri
     }
     s = warp_reduce<SumOp, W>(s);
     const RowStats<A> st(m, s, log);
-    T* const yr = y + row * cols;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int col = (k * W + lane) * P;
-      if (active && col < cols) {
+      const int j = k * W + lane;
+      if (active && (kWindow ? j < w.packs : j * P < cols)) {
         A r[P];
 #pragma unroll
         for (int p = 0; p < P; ++p) {
           r[p] = log ? st.out(v[k][p], true) : v[k][p] * st.inv_sum;
           if (mask && ((masked >> (k * P + p)) & 1u)) r[p] = masked_out<A>(log);
         }
-        store_pack<T, P>(yr + col, repack<T, P>(r));
+        if constexpr (kWindow) {
+          store_window_pack<T, P>(y, w, j, repack<T, P>(r));
+        } else {
+          store_pack<T, P>(y + row * cols + j * P, repack<T, P>(r));
+        }
       }
     }
   }
 }
 
-template <class T, int P, int W, int K>
+template <class T, int P, int W, int K, bool kWindow = false>
 __global__ void __launch_bounds__(kWarpBlockThreads)
 backward_warp(const T* __restrict__ y, const T* __restrict__ dy, const bool* __restrict__ mask,
               T* __restrict__ dx, int64_t rows, int64_t cols, bool log) {
@@ -104,21 +122,34 @@ backward_warp(const T* __restrict__ y, const T* __restrict__ dy, const bool* __r
   const int lane = threadIdx.x % W;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t nwarps = int64_t(gridDim.x) * blockDim.x / 32;
+  const int64_t total = rows * cols;
+  const T zero = from_acc<T>(A(0));
   for (int64_t base = warp * kRowsPerWarp; base < rows; base += nwarps * kRowsPerWarp) {
     const int64_t row = base + (threadIdx.x % 32) / W;
     const bool active = row < rows;
-    const int64_t off = row * cols;
+    [[maybe_unused]] const RowWindow<P> w(row, cols);
     A yv[N], gv[N];
     uint32_t masked = 0;
     A s = 0;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int64_t col = (int64_t(k) * W + lane) * P;
-      if (active && col < cols) {
-        const Pack<T, P> py = load_pack<T, P>(y + off + col);
-        const Pack<T, P> pg = load_pack<T, P>(dy + off + col);
+      const int j = k * W + lane;
+      if (active && (kWindow ? j < w.packs : j * P < cols)) {
+        const int64_t g = kWindow ? w.base + j * P : row * cols + j * P;
+        Pack<T, P> py, pg;
         Pack<bool, P> mk;
-        if (mask) mk = load_pack<bool, P>(mask + off + col);
+        if constexpr (kWindow) {
+          // Other rows' y and dy read as 0: their products add nothing (NaN there would).
+          py = load_window_pack<T, P>(y, g, total, zero);
+          pg = load_window_pack<T, P>(dy, g, total, zero);
+          fill_outside<T, P>(py, w, j, zero);
+          fill_outside<T, P>(pg, w, j, zero);
+          if (mask) mk = load_window_pack<bool, P>(mask, g, total, true);
+        } else {
+          py = load_pack<T, P>(y + g);
+          pg = load_pack<T, P>(dy + g);
+          if (mask) mk = load_pack<bool, P>(mask + g);
+        }
 #pragma unroll
         for (int p = 0; p < P; ++p) {
           A yy = to_acc(py.v[p]), g = to_acc(pg.v[p]);
@@ -135,8 +166,8 @@ backward_warp(const T* __restrict__ y, const T* __restrict__ dy, const bool* __r
     s = warp_reduce<SumOp, W>(s);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int64_t col = (int64_t(k) * W + lane) * P;
-      if (active && col < cols) {
+      const int j = k * W + lane;
+      if (active && (kWindow ? j < w.packs : j * P < cols)) {
         Pack<T, P> out;
 #pragma unroll
         for (int p = 0; p < P; ++p) {
@@ -145,7 +176,11 @@ backward_warp(const T* __restrict__ y, const T* __restrict__ dy, const bool* __r
           if ((masked >> (k * P + p)) & 1u) r = 0;
           out.v[p] = from_acc<T>(r);
         }
-        store_pack<T, P>(dx + off + col, out);
+        if constexpr (kWindow) {
+          store_window_pack<T, P>(dx, w, j, out);
+        } else {
+          store_pack<T, P>(dx + row * cols + j * P, out);
+        }
       }
     }
   }

@@ -1,4 +1,5 @@
-"""Benchmark cases for softmax / log_softmax, forward and backward, across row lengths."""
+"""Benchmark cases for softmax / log_softmax, forward and backward, across row lengths; softmax
+also masked (``where=``: an attention-style mask keeping 80 % of each row, read as one byte a flag)."""
 from __future__ import annotations
 
 import jax
@@ -23,6 +24,39 @@ def _xla_backward(log: bool):
         return dx.astype(y.dtype)
 
     return run
+
+
+def _xla_masked_backward(y, dy, mask):
+    """jax.nn.softmax's gradient with ``where``: masked entries take no part and get none."""
+    y32, g32 = y.astype(jnp.float32), jnp.where(mask, dy.astype(jnp.float32), 0)
+    dx = y32 * (g32 - jnp.sum(y32 * g32, axis=-1, keepdims=True))
+    return jnp.where(mask, dx, 0).astype(y.dtype)
+
+
+def _masked_cases(options: Options, dtype: str, rows: int, cols: int) -> list[Case]:
+    dt, n = dtype_of(dtype), rows * cols
+
+    def inputs(k, s=(rows, cols)):
+        k1, k2 = jax.random.split(k)
+        return jax.random.normal(k1, s, jnp.float32).astype(dt), jax.random.bernoulli(k2, 0.8, s)
+
+    def backward_inputs(k, s=(rows, cols)):
+        k1, k2 = jax.random.split(k)
+        x, mask = inputs(k1)
+        return jax.nn.softmax(x, where=mask), jax.random.normal(k2, s, jnp.float32).astype(dt), mask
+
+    out = []
+    if wants(options, "softmax_masked"):
+        out.append(Case(op="softmax_masked", shape=(rows, cols), dtype=dtype, make_inputs=inputs,
+                        jaxops_fn=lambda x, m: _softmax.softmax(x, where=m),
+                        xla_fn=lambda x, m: jax.nn.softmax(x, where=m),
+                        bytes=2 * n * itemsize(dtype) + n, x=cols, note="x,mask->y"))
+    if wants(options, "softmax_masked_bwd"):
+        out.append(Case(op="softmax_masked_bwd", shape=(rows, cols), dtype=dtype, make_inputs=backward_inputs,
+                        jaxops_fn=lambda y, dy, m: _softmax._backward_call(y, dy, m, False),
+                        xla_fn=_xla_masked_backward, bytes=3 * n * itemsize(dtype) + n, x=cols,
+                        note="y,dy,mask->dx"))
+    return out
 
 
 def _shapes(options: Options) -> list[tuple[int, int]]:
@@ -57,4 +91,7 @@ def cases(options: Options) -> list[Case]:
                         jaxops_fn=lambda y, dy, log=log: _softmax._backward_call(y, dy, None, log),
                         xla_fn=_xla_backward(log), bytes=3 * n * itemsize(dtype), x=cols,
                         note="y,dy->dx"))
+    for dtype in options.dtypes:
+        for rows, cols in _shapes(options):
+            out += _masked_cases(options, dtype, rows, cols)
     return out
