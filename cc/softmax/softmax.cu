@@ -303,13 +303,31 @@ constexpr int64_t kForwardWarpWindowMaxCols = 128;
 constexpr int64_t kBackwardWarpWindowMaxShortCols = 64;
 constexpr int64_t kBackwardWarpWindowMinCols = 257;
 
-// Rows that are not whole 16-byte packs, through their aligned windows: the warp path for windows
-// of up to kWarpMaxCols columns, else the cp.async cached kernels (the lean backward on any plan:
+// Windows longer than these leave the warp kernels for the cp.async cached ones (one block a
+// row). H100, session 30, µs warp / cached, window rows: float32 16384x1001 forward 54.1 / 46.6,
+// masked 72.9 / 52.4, backward 85.0 / 72.9, masked 94.6 / 80.1; 16384x769 forward 38.5 / 38.2,
+// masked 59.6 / 45.7, backward 65.3 / 56.8; 32768x513 forward 58.4 / 63.4, masked 84.8 / 76.5,
+// backward 87.3 / 77.2, masked 98.2 / 85.0. bf16: the warp forward wins at every width (1001
+// 32.7 / 47.7, masked 51.0 / 58.6; 513 49.5 / 84.5), the backward loses from ~1000 (1001 57.8 /
+// 48.4, masked 73.3 / 62.1; 769 48.1 / 46.4, 61.1 / 60.2; 513 66.5 / 85.4). Rows that are whole
+// packs measured within a few % either way (1024, 520, 776) and keep the warp kernels.
+template <class T>
+int64_t forward_warp_window_limit(bool masked) {
+  if (sizeof(T) < 4) return kWarpMaxCols;
+  return masked ? 512 : 768;
+}
+template <class T>
+int64_t backward_warp_window_limit() {
+  return sizeof(T) < 4 ? 768 : 512;
+}
+
+// Rows that are not whole 16-byte packs, through their aligned windows: the warp path for short
+// windows (the limits above), else the cp.async cached kernels (the lean backward on any plan:
 // the register-staged one has no window). False when neither applies.
 template <class T, int P>
 bool forward_window(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols, bool log, cudaStream_t stream,
                     const DeviceInfo& dev, cudaError_t* err) {
-  if (window_cols<P>(cols) <= kWarpMaxCols) {
+  if (window_cols<P>(cols) <= forward_warp_window_limit<T>(mask != nullptr)) {
     if (window_mode() == WindowMode::kAuto && !mask && window_cols<P>(cols) > kForwardWarpWindowMaxCols) return false;
     *err = with_warp_shape<P, 2>(window_cols<P>(cols), [&](auto w, auto k) {
       constexpr int W = decltype(w)::value, K = decltype(k)::value;
@@ -324,7 +342,7 @@ bool forward_window(const T* x, const bool* mask, T* y, int64_t rows, int64_t co
 template <class T, int P>
 bool backward_window(const T* y, const T* dy, const bool* mask, T* dx, int64_t rows, int64_t cols, bool log,
                      cudaStream_t stream, const DeviceInfo& dev, cudaError_t* err) {
-  if (window_cols<P>(cols) <= kWarpMaxCols) {
+  if (window_cols<P>(cols) <= backward_warp_window_limit<T>()) {
     const int64_t wcols = window_cols<P>(cols);
     if (window_mode() == WindowMode::kAuto && wcols > kBackwardWarpWindowMaxShortCols &&
         wcols < kBackwardWarpWindowMinCols) {
