@@ -12,8 +12,8 @@
 //    their next row while writing the current one;
 //  - uncached: rows too long for any cluster's shared memory make the fewest passes (online
 //    max/sum, then the output pass).
-// Masked entries are excluded by loading them as -inf (forward) or 0 (log_softmax backward) and
-// forcing their outputs; math is float32 (float64 for float64).
+// Masked entries are excluded by loading them as -inf (forward) or their cotangents as 0
+// (backward) and forcing their outputs; math is float32 (float64 for float64).
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
@@ -51,7 +51,7 @@ struct CachedPlan {
 constexpr int kCachedThreads[] = {1024, 512, 256, 128};
 constexpr int64_t kMaxPacksPerThread = 4 * kUnroll;
 
-// Slice budget of the unmaskable forward's rows longer than kCachedBytesPerBlock. H100, session 8
+// Slice budget of the cp.async forward's rows longer than kCachedBytesPerBlock. H100, session 8
 // (64 KB against 32 KB, same run): f32 512x131072 201.3 -> 196.2 us (clusters of 8 instead of 16),
 // 2048x32768 196.8 -> 194.3 (2 instead of 4), bf16 2048x32768 104.4 -> 100.1 (one block of 64 KB
 // instead of 2 of 32 KB); rows already at 16 blocks of 64 KB (f32 262144) unchanged; 16 KB was
@@ -59,7 +59,7 @@ constexpr int64_t kMaxPacksPerThread = 4 * kUnroll;
 // (unmeasured with 64).
 constexpr size_t kForwardLongSliceBytes = 64 * 1024;
 
-// Smallest cluster whose unmasked forward takes one (max, sum) reduction a row (forward_cached's
+// Smallest cluster whose cp.async forward takes one (max, sum) reduction a row (forward_cached's
 // kPairStats). H100, session 12, same build, µs two reductions -> one: 4-16 block clusters gain
 // (f32 256x262144 (16 blocks) 202.3-204.3 -> 191.0-192.2, 512x131072 (8) 196.9-197.1 -> 192.5-193.9;
 // bf16 262144 (8) 103.8-104.1 -> 99.9-100.1, 131072 (4) 103.1-103.2 -> 101.5-101.6), while one- or
@@ -132,7 +132,7 @@ bool remembered_plan(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col
   return true;
 }
 
-// Whether a plan runs the persistent grid (rather than one block per row; see unmasked_cached_grid).
+// Whether a plan runs the persistent grid (rather than one block per row; see async_cached_grid).
 bool persistent_plan(const CachedPlan& plan) { return plan.cluster > 1 || plan.smem > kCachedBytesPerBlock; }
 
 // A persistent grid: every resident cluster loops over rows, so cluster scheduling is paid once
@@ -143,12 +143,12 @@ int64_t cached_grid(int64_t rows, const CachedPlan& plan) {
   return std::min<int64_t>(rows, plan.max_clusters) * plan.cluster;
 }
 
-// The unmaskable forward's grid. Rows within one block's cache budget get one block per row
+// The cp.async forward's grid. Rows within one block's cache budget get one block per row
 // (the row loop runs once, so nothing is prefetched): the hardware refills each SM's block slots
 // as rows finish, which measured 5-10 % faster than the persistent grid with refill at
 // 1025-8192 columns (session 5; the persistent grid's blocks finish their last rows unevenly,
 // and each block's row loop serializes its rows' latencies).
-int64_t unmasked_cached_grid(int64_t rows, const CachedPlan& plan) {
+int64_t async_cached_grid(int64_t rows, const CachedPlan& plan) {
   if (!persistent_plan(plan)) return std::min<int64_t>(rows, INT32_MAX);
   return cached_grid(rows, plan);
 }
@@ -197,11 +197,11 @@ bool launch_async_forward(const T* x, const bool* mask, T* y, int64_t rows, int6
       remembered_plan(forward_cached<T, P, kMaskable, true, kWindow>, plan_cols, P, col_bytes, dev, &pair,
                       kForwardLongSliceBytes) &&
       pair.cluster >= kPairStatsMinCluster) {
-    *err = launch_clustered(forward_cached<T, P, kMaskable, true, kWindow>, unmasked_cached_grid(rows, pair),
+    *err = launch_clustered(forward_cached<T, P, kMaskable, true, kWindow>, async_cached_grid(rows, pair),
                             pair.threads, pair.smem, pair.cluster, stream, x, mask, y, rows, cols, pair.slice, log);
     return true;
   }
-  *err = launch_clustered(forward_cached<T, P, kMaskable, false, kWindow>, unmasked_cached_grid(rows, plan),
+  *err = launch_clustered(forward_cached<T, P, kMaskable, false, kWindow>, async_cached_grid(rows, plan),
                           plan.threads, plan.smem, plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
   return true;
 }

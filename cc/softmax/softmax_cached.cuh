@@ -112,7 +112,7 @@ __device__ __forceinline__ acc_t<T> cache_slice(const T* __restrict__ src, const
 // row max is reduced first, then the sum of exp at that max (two block and cluster reductions),
 // and softmax's output pass scales the exp cached by the sum pass instead of recomputing it.
 // Which one wins depends on the cluster size (kPairStatsMinCluster).
-// kWindow (unmaskable only): rows that are not whole packs; the blocks split each row's aligned
+// kWindow (16-byte packs only): rows that are not whole packs; the blocks split each row's aligned
 // window (softmax_window.cuh) into slices of `slice` window columns, so a block's pack count
 // varies by one from row to row.
 //
@@ -144,7 +144,7 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask_arg, T* __
   const unsigned row_packs = begin < cols ? unsigned((std::min(cols, begin + slice) - begin) / P) : 0;
   const int64_t total = rows * cols;
   const T ninf = from_acc<T>(neg_inf<A>());
-  // Unmasked 16-byte packs in a persistent grid (long rows; see unmasked_cached_grid): each
+  // 16-byte packs in a persistent grid (long rows; see async_cached_grid): each
   // thread requests its packs of the block's next row right after writing its output for them
   // (it owns those cache entries, so no barrier), so the next row's loads are in flight during
   // this row's output pass. Without it all blocks of the persistent grid load, reduce and write
@@ -368,7 +368,7 @@ backward_cached(const T* __restrict__ y, const T* __restrict__ dy, const bool* _
   if (nblocks > 1) cluster_sync();
 }
 
-// The unmasked backward for 16-byte packs on a persistent grid (long rows, clusters), built like
+// The cp.async backward for 16-byte packs on a persistent grid (long rows, clusters), built like
 // the lean forward: each thread requests its packs of y and dy by cp.async (the whole slice in
 // flight, no registers held), sums from the cache, and after writing its dx pack i requests
 // pack i of the block's next row into the same two entries (it alone reads and writes them, so
