@@ -14,17 +14,14 @@
 //    max/sum, then the output pass).
 // Masked entries are excluded by loading them as -inf (forward) or their cotangents as 0
 // (backward) and forcing their outputs; math is float32 (float64 for float64).
-#include <algorithm>
 #include <cstdint>
-#include <mutex>
-#include <type_traits>
-#include <vector>
 
 #include "common/cluster.cuh"
 #include "common/cuda_util.cuh"
 #include "common/launch.cuh"
 #include "softmax/softmax_cached.cuh"
 #include "softmax/softmax_cuda.h"
+#include "softmax/softmax_plan.cuh"
 #include "softmax/softmax_test_hooks.h"
 #include "softmax/softmax_uncached.cuh"
 #include "softmax/softmax_warp.cuh"
@@ -32,24 +29,8 @@
 namespace jaxops::softmax {
 namespace {
 
-// Host dispatch: cached plans, grids and the launchers of the three paths (softmax_warp.cuh,
-// softmax_cached.cuh, softmax_uncached.cuh).
-
-struct CachedPlan {
-  int64_t max_clusters = 0;  // clusters resident at once: the persistent grid
-  int cluster = 1;
-  int64_t slice = 0;  // columns per block, a multiple of the pack
-  int threads = 0;
-  size_t smem = 0;
-};
-
-// Block sizes the cached kernels may use, largest first. A block's phases (load, reduce, exp,
-// write) serialize behind block and cluster barriers; only other rows' blocks on the same SM
-// keep DRAM busy meanwhile, so the plan takes the block size that fits the most blocks (rows)
-// per SM, the larger block on a tie. A thread handles at most kMaxPacksPerThread packs (four
-// batches of kUnroll loads) so a row's load phase stays a few round trips long.
-constexpr int kCachedThreads[] = {1024, 512, 256, 128};
-constexpr int64_t kMaxPacksPerThread = 4 * kUnroll;
+// Host dispatch: the launchers of the three paths (softmax_warp.cuh, softmax_cached.cuh,
+// softmax_uncached.cuh) and the rules that choose among them; plans and grids in softmax_plan.cuh.
 
 // Slice budget of the cp.async forward's rows longer than kCachedBytesPerBlock. H100, session 8
 // (64 KB against 32 KB, same run): f32 512x131072 201.3 -> 196.2 us (clusters of 8 instead of 16),
@@ -68,115 +49,6 @@ constexpr size_t kForwardLongSliceBytes = 64 * 1024;
 // reduction's longer shuffle chain and softmax's second exp; <= 8192 columns are equal.
 constexpr int kPairStatsMinCluster = 4;
 
-// Picks the smallest cluster whose blocks each cache at most kCachedBytesPerBlock of the row, or
-// `long_row_slice` when the row is longer than that (more if the cluster limit is reached); false
-// when even the largest cluster cannot cache it.
-template <class Kernel>
-bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, size_t long_row_slice,
-                 const DeviceInfo& dev, CachedPlan* plan) {
-  const int max_cluster = dev.cc_major >= 9 ? 16 : 1;
-  const size_t smem_limit = static_cast<size_t>(dev.max_smem_optin) - 1024;  // static scratch
-  const size_t row_bytes = static_cast<size_t>(cols) * bytes_per_col;
-  int cluster = 1;
-  const size_t per_block = row_bytes > kCachedBytesPerBlock ? long_row_slice : kCachedBytesPerBlock;
-  while (cluster < max_cluster && row_bytes > per_block * cluster) cluster *= 2;
-  for (; cluster >= 1; cluster /= 2) {
-    const int64_t slice = ceil_div<int64_t>(ceil_div<int64_t>(cols, cluster), pack) * pack;
-    const size_t smem = static_cast<size_t>(slice) * bytes_per_col;
-    if (smem > smem_limit) return false;
-    const int64_t packs = slice / pack;
-    CachedPlan best;
-    for (const int threads : kCachedThreads) {
-      if (threads != kCachedThreads[0] && packs > threads * kMaxPacksPerThread) break;
-      const int64_t resident = resident_clusters(kernel, threads, smem, cluster, dev);
-      if (resident > best.max_clusters) best = {resident, cluster, slice, threads, smem};
-    }
-    if (best.max_clusters > 0) {
-      *plan = best;
-      return true;
-    }
-  }
-  return false;
-}
-
-// plan_cached, remembered per (kernel, device, row shape): a plan costs several occupancy
-// queries, which would otherwise run on every call.
-template <class Kernel>
-bool remembered_plan(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, const DeviceInfo& dev,
-                     CachedPlan* plan, size_t long_row_slice = kCachedBytesPerBlock) {
-  struct Entry {
-    const void* kernel;
-    int device;
-    int64_t cols;
-    size_t bytes_per_col;
-    CachedPlan plan;
-  };
-  static std::mutex mutex;
-  static std::vector<Entry> memo;
-  const void* key = reinterpret_cast<const void*>(kernel);
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    for (const Entry& e : memo) {
-      if (e.kernel == key && e.device == dev.device && e.cols == cols && e.bytes_per_col == bytes_per_col) {
-        *plan = e.plan;
-        return true;
-      }
-    }
-  }
-  // Failures are not remembered: they send the row to the uncached path, whose rows are so
-  // long that the queries' cost does not show.
-  if (!plan_cached(kernel, cols, pack, bytes_per_col, long_row_slice, dev, plan)) return false;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (memo.size() >= 256) memo.erase(memo.begin());
-  memo.push_back({key, dev.device, cols, bytes_per_col, *plan});
-  return true;
-}
-
-// Whether a plan runs the persistent grid (rather than one block per row; see async_cached_grid).
-bool persistent_plan(const CachedPlan& plan) { return plan.cluster > 1 || plan.smem > kCachedBytesPerBlock; }
-
-// A persistent grid: every resident cluster loops over rows, so cluster scheduling is paid once
-// and each block requests its next row while writing the current one (forward, 16-byte packs).
-// Long rows (a cluster, or more than one block's cache budget) need that refill: one cluster per
-// row measured 3-7 % slower at 128K-256K columns (session 5).
-int64_t cached_grid(int64_t rows, const CachedPlan& plan) {
-  return std::min<int64_t>(rows, plan.max_clusters) * plan.cluster;
-}
-
-// The cp.async forward's grid. Rows within one block's cache budget get one block per row
-// (the row loop runs once, so nothing is prefetched): the hardware refills each SM's block slots
-// as rows finish, which measured 5-10 % faster than the persistent grid with refill at
-// 1025-8192 columns (session 5; the persistent grid's blocks finish their last rows unevenly,
-// and each block's row loop serializes its rows' latencies).
-int64_t async_cached_grid(int64_t rows, const CachedPlan& plan) {
-  if (!persistent_plan(plan)) return std::min<int64_t>(rows, INT32_MAX);
-  return cached_grid(rows, plan);
-}
-
-// L2 the lean backward may fill with its blocks' next rows (see l2_prefetch_bytes).
-constexpr size_t kL2PrefetchBudget = size_t(16) << 20;
-
-// Bytes of each input array's next slice a block of the lean backward prefetches into L2 while it
-// reduces its current row; 0 (no prefetch) unless the plan's resident grid has at most one block
-// per SM (plan.max_clusters * plan.cluster <= SMs; Hopper only: 16-block clusters whose blocks
-// cache over ~113 KB, i.e. float32 rows of ~232K-462K columns and 16-bit rows of ~464K-925K;
-// measured: float32 256x262144 only). There every block of the grid reduces in step with nothing
-// else on its SM, and DRAM idles unless L2 fetches the next row meanwhile (session 6, H100: 323
-// -> 303 us, 1.44x XLA). Where several blocks share an SM, other rows' blocks keep
-// DRAM busy and the prefetch only added traffic: 15-25 % slower (forward and backward, every
-// dtype). The budget, shared by every resident block, bounds what waits in L2 (50 MB on H100)
-// next to the output stream, so prefetched lines are not evicted before the refill reads them.
-unsigned l2_prefetch_bytes(const CachedPlan& plan, const DeviceInfo& dev, int arrays, size_t elem_bytes) {
-  const int64_t blocks = plan.max_clusters * plan.cluster;
-  if (dev.cc_major < 9 || !persistent_plan(plan) || blocks <= 0 || blocks > dev.sm_count) return 0;
-  const size_t slice_bytes = size_t(plan.slice) * elem_bytes;
-  const size_t share = kL2PrefetchBudget / size_t(blocks) / arrays / 16 * 16;
-  return unsigned(std::min(share, slice_bytes));
-}
-
-int64_t uncached_grid(int64_t rows, const DeviceInfo& dev) {
-  return std::min<int64_t>(rows, int64_t(dev.sm_count) * 2);
-}
 
 // The cp.async cached forward (16-byte packs, float32 and 16-bit types; float64's kernel spills
 // its log), masked (kMaskable) or not: false when no cluster can cache the row. kWindow: rows
