@@ -121,14 +121,18 @@ cudaError_t forward_packed(const T* x, const bool* mask, T* y, int64_t rows, int
           mask, y, rows, cols, log);
     });
   }
+  // 16-byte packs of float32 and 16-bit types: the cp.async kernels alone, whose plans leave room
+  // for a masked row's mask slice (planned without it, the masked kernel would write past its
+  // shared memory). Other pack widths: the register-staged maskable kernel.
   if constexpr (kAsyncPack<T, P> && sizeof(T) <= 4) {
     cudaError_t err;
     if (launch_async_forward<T, P, false>(x, mask, y, rows, cols, log, stream, dev, &err)) return err;
-  }
-  CachedPlan plan;
-  if (remembered_plan(forward_cached<T, P, true, false>, cols, P, sizeof(T), dev, &plan)) {
-    return launch_clustered(forward_cached<T, P, true, false>, cached_grid(rows, plan), plan.threads, plan.smem,
-                            plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
+  } else {
+    CachedPlan plan;
+    if (remembered_plan(forward_cached<T, P, true, false>, cols, P, sizeof(T), dev, &plan)) {
+      return launch_clustered(forward_cached<T, P, true, false>, cached_grid(rows, plan), plan.threads, plan.smem,
+                              plan.cluster, stream, x, mask, y, rows, cols, plan.slice, log);
+    }
   }
   return cuda::launch_kernel(forward_uncached<T, P>, uncached_grid(rows, dev), 1024, 0, stream, x, mask, y, rows, cols,
       log);

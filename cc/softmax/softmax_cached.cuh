@@ -170,16 +170,16 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask_arg, T* __
       fill_cached_edges<T, P>(cache, w, begin / P, npacks, ninf);
       // Both wait for nothing more.
       m = mask ? mask_requested<T, P>(cache, mask_cache, npacks) : max_of_requested<T, P>(cache, npacks);
-    } else if constexpr (kMaskCache) {
-      if (!requested) {
-        request_slice_async<T, P>(x + off, cache, npacks);
-        if (mask) request_slice_async<bool, P>(mask + off, mask_cache, npacks);
-      }
-      m = mask ? mask_requested<T, P>(cache, mask_cache, npacks) : max_of_requested<T, P>(cache, npacks);
     } else if constexpr (kAsyncPack<T, P>) {
       if (async) {
-        if (!requested) request_slice_async<T, P>(x + off, cache, npacks);
-        m = max_of_requested<T, P>(cache, npacks);
+        if (!requested) {
+          request_slice_async<T, P>(x + off, cache, npacks);
+          if constexpr (kMaskCache) {
+            if (mask) request_slice_async<bool, P>(mask + off, mask_cache, npacks);
+          }
+        }
+        m = kMaskCache && mask ? mask_requested<T, P>(cache, mask_cache, npacks)
+                               : max_of_requested<T, P>(cache, npacks);
       } else {
         m = cache_slice<T, P>(x + off, mask + off, cache, npacks);
       }

@@ -60,7 +60,8 @@ forward_warp(const T* __restrict__ x, const bool* __restrict__ mask, T* __restri
         }
         unpack<T, P>(pk, v[k]);
         if (mask) {
-          const Pack<bool, P> mk = kWindow ? load_window_pack<bool, P>(mask, g, total, true) : load_pack<bool, P>(mask + g);
+          const Pack<bool, P> mk =
+              kWindow ? load_window_pack<bool, P>(mask, g, total, true) : load_pack<bool, P>(mask + g);
 #pragma unroll
           for (int p = 0; p < P; ++p) {
             if (!mk.v[p]) {
