@@ -28,9 +28,7 @@ def _xla_backward(log: bool):
 
 def _xla_masked_backward(y, dy, mask):
     """jax.nn.softmax's gradient with ``where``: masked entries take no part and get none."""
-    y32, g32 = y.astype(jnp.float32), jnp.where(mask, dy.astype(jnp.float32), 0)
-    dx = y32 * (g32 - jnp.sum(y32 * g32, axis=-1, keepdims=True))
-    return jnp.where(mask, dx, 0).astype(y.dtype)
+    return jnp.where(mask, _xla_backward(False)(y, jnp.where(mask, dy, 0)), 0)
 
 
 def _masked_cases(options: Options, dtype: str, rows: int, cols: int) -> list[Case]:
