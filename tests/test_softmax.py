@@ -468,9 +468,10 @@ def test_masked_rows_not_whole_packs(dtype, rows, cols, key):
     assert ON_GPU
 
 
-# The window rule (softmax.cu) sends short warp rows to element loads; JAXOPS_SOFTMAX_WINDOW=1
-# forces every row that can through its window and =0 none, so both kernels of each shape are
-# checked whichever the rule picks. The probe writes x, the cotangent, y and dx per case.
+# The launcher's rules (softmax.cu) pick among three kernels for rows that are not whole packs:
+# short rows staged by tiles (JAXOPS_SOFTMAX_TILED), the windows of the warp and cached kernels
+# (JAXOPS_SOFTMAX_WINDOW), and element loads. Each mode forces one, so every kernel of each shape
+# is checked whichever the rules pick. The probe writes x, the cotangent, y and dx per case.
 _WINDOW_PROBE = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
@@ -479,12 +480,14 @@ out = {}
 for i, (rows, cols, dtype, masked) in enumerate([(20001, 77, "bfloat16", False), (20001, 77, "float32", True),
                                                  (9999, 197, "bfloat16", True), (9999, 197, "float32", False),
                                                  (50001, 13, "float32", False), (4001, 1001, "bfloat16", False),
-                                                 (301, 50257, "bfloat16", False)]):
+                                                 (301, 50257, "bfloat16", False), (3, 9, "bfloat16", True),
+                                                 (70001, 33, "float16", True), (2001, 509, "float32", True),
+                                                 (11, 511, "bfloat16", False), (200003, 77, "bfloat16", True)]):
     kx, kw, km = jax.random.split(jax.random.key(i), 3)
     x = np.array(jax.random.normal(kx, (rows, cols), jnp.float32) * 3)
-    x[3, -1], x[5, 0], x[7, :] = np.nan, np.inf, -np.inf
+    x[3 % rows, -1], x[5 % rows, 0], x[7 % rows, :] = np.nan, np.inf, -np.inf
     x = jnp.asarray(x, dtype)
-    where = jax.random.bernoulli(km, 0.7, (rows, cols)) if masked else None
+    where = jax.random.bernoulli(km, 0.7, (rows, cols)).at[min(9, rows - 1)].set(False) if masked else None
     w = jax.random.normal(kw, (rows, cols), jnp.float32).astype(dtype)
     w = jnp.where(where, w, 0) if masked else w
     for name, f in (("softmax", jaxops.softmax), ("log_softmax", jaxops.log_softmax)):
@@ -499,20 +502,23 @@ np.savez(sys.argv[1], **out)
 
 
 @gpu_only
-@pytest.mark.parametrize("mode", ["1", "0"])
-def test_window_and_element_kernels_on_the_same_rows(tmp_path, mode):
+@pytest.mark.parametrize("mode", ["tiled", "window", "element"])
+def test_tiled_window_and_element_kernels_on_the_same_rows(tmp_path, mode):
     import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "JAXOPS_SOFTMAX_WINDOW"}
-    env.update({"JAXOPS_SOFTMAX_WINDOW": mode, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
-    path = tmp_path / f"window{mode}.npz"
+    env = {k: v for k, v in os.environ.items() if k not in ("JAXOPS_SOFTMAX_WINDOW", "JAXOPS_SOFTMAX_TILED")}
+    env.update({"tiled": {"JAXOPS_SOFTMAX_TILED": "1"},
+                "window": {"JAXOPS_SOFTMAX_WINDOW": "1", "JAXOPS_SOFTMAX_TILED": "0"},
+                "element": {"JAXOPS_SOFTMAX_WINDOW": "0"}}[mode])
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    path = tmp_path / f"{mode}.npz"
     # cwd: from the repository root the source jaxops/ would shadow the installed package.
     subprocess.run([sys.executable, "-c", _WINDOW_PROBE, str(path)], env=env, cwd=tmp_path, check=True, timeout=600)
     got = dict(np.load(path))
     keys = sorted(k[:-2] for k in got if k.endswith("_y"))
-    assert len(keys) == 14
+    assert len(keys) == 24
     for key in keys:
         name = key.split("_", 1)[1]
         dtype = jnp.dtype(str(got[key + "_dtype"]))

@@ -2,7 +2,7 @@
 //
 // Three paths by row length, each reading the input once where it can (rows that are not whole
 // 16-byte packs take the warp and cached paths through their aligned windows,
-// softmax_window.cuh, or else single elements):
+// softmax_window.cuh, short ones tiles of rows, softmax_tiled.cuh, or else single elements):
 //  - warp: rows <= 1024 columns live in registers of a group of 1..32 lanes;
 //  - cached: a block (or a Hopper thread-block cluster of up to 16 blocks) caches its slice of
 //    the row in shared memory (filled by cp.async for 16-byte packs); cluster partials are
@@ -23,6 +23,7 @@
 #include "softmax/softmax_cuda.h"
 #include "softmax/softmax_plan.cuh"
 #include "softmax/softmax_test_hooks.h"
+#include "softmax/softmax_tiled.cuh"
 #include "softmax/softmax_uncached.cuh"
 #include "softmax/softmax_warp.cuh"
 
@@ -197,12 +198,64 @@ int64_t backward_warp_window_limit() {
   return sizeof(T) < 4 ? 768 : 512;
 }
 
+// Which rows that are not whole packs the tiled kernels take (softmax_tiled.cuh), against the
+// window and element warp kernels. H100, session 31 runs 3 and 7, µs tiled / warp, 80 % masks:
+//  - 16-bit backward, every width to 512: 524288x33 47.8 / 60.9, 262144x77 46.7 / 52.3,
+//    131072x197 57.9 / 69.2, 65536x383 60.0 / 70.2, 32768x509 41.5 / 64.5; masked 54.4 / 64.3 (77),
+//    67.6 / 102.8 (197), 48.2 / 81.5 (509).
+//  - 16-bit forward to 256: 33 39.9 / 47.5, 77 41.0 / 48.8, 129 38.1 / 46.1, 197 48.1 / 51.4,
+//    257 38.4 / 39.7; past it the element kernel's whole-warp rows win (383 52.2 / 41.5, 509
+//    34.2 / 27.2).
+//  - float32 forward to 64 (33: 52.4 / 58.1; 77 66.5 / 62.9, 509 54.4 / 47.0); masked backward to
+//    512 (33 81.9 / 87.5, 197 127.4 / 135.7, 509 78.1 / 84.4). The unmasked float32 backward is
+//    within a few % either way (77 90.9 / 87.9, 257 75.9 / 76.9) and keeps the warp kernels.
+// The tiled kernels run close to their issue limit (ncu, run 6: bf16 262144x77 forward at 74 % of
+// the SM's throughput, 53 instructions an element, the same count as the window kernel's); a
+// version owning whole packs per thread, with row statistics combined from each pack's parts,
+// was slower still (run 7: 77 columns 56.8 µs forward) and was dropped.
+bool use_tiled_forward(int64_t cols, int elem_bytes) {
+  if (tiled_mode() != WindowMode::kAuto) return tiled_mode() == WindowMode::kAlways && cols <= kTiledMaxCols;
+  return cols <= (elem_bytes < 4 ? 256 : 64);
+}
+bool use_tiled_backward(int64_t cols, int elem_bytes, bool masked) {
+  if (tiled_mode() != WindowMode::kAuto) return tiled_mode() == WindowMode::kAlways && cols <= kTiledMaxCols;
+  return cols <= kTiledMaxCols && (elem_bytes < 4 || masked);
+}
+
+template <class T, int P>
+cudaError_t forward_tiled_rows(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols, bool log,
+                               cudaStream_t stream, const DeviceInfo& dev) {
+  return with_tile_shape(cols, [&](auto w) {
+    constexpr int W = decltype(w)::value;
+    const auto kernel = forward_tiled<T, P, W, kTiledPerLane>;
+    const size_t smem = tiled_smem_bytes<T>(W, cols, 1, mask != nullptr);
+    return launch_clustered(kernel, tiled_grid(kernel, rows, W, smem, dev), kTiledBlockThreads, smem, 1, stream, x,
+                            mask, y, rows, cols, log);
+  });
+}
+
+template <class T, int P>
+cudaError_t backward_tiled_rows(const T* y, const T* dy, const bool* mask, T* dx, int64_t rows, int64_t cols,
+                                bool log, cudaStream_t stream, const DeviceInfo& dev) {
+  return with_tile_shape(cols, [&](auto w) {
+    constexpr int W = decltype(w)::value;
+    const auto kernel = backward_tiled<T, P, W, kTiledPerLane>;
+    const size_t smem = tiled_smem_bytes<T>(W, cols, 2, mask != nullptr);
+    return launch_clustered(kernel, tiled_grid(kernel, rows, W, smem, dev), kTiledBlockThreads, smem, 1, stream, y,
+                            dy, mask, dx, rows, cols, log);
+  });
+}
+
 // Rows that are not whole 16-byte packs, through their aligned windows: the warp path for short
 // windows (the limits above), else the cp.async cached kernels (the lean backward on any plan:
 // the register-staged one has no window). False when neither applies.
 template <class T, int P>
 bool forward_window(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols, bool log, cudaStream_t stream,
                     const DeviceInfo& dev, cudaError_t* err) {
+  if (use_tiled_forward(cols, sizeof(T))) {
+    *err = forward_tiled_rows<T, P>(x, mask, y, rows, cols, log, stream, dev);
+    return true;
+  }
   if (window_cols<P>(cols) <= forward_warp_window_limit<T>(mask != nullptr)) {
     if (window_mode() == WindowMode::kAuto && !mask && window_cols<P>(cols) > kForwardWarpWindowMaxCols) return false;
     *err = with_warp_shape<P, 2>(window_cols<P>(cols), [&](auto w, auto k) {
@@ -218,6 +271,10 @@ bool forward_window(const T* x, const bool* mask, T* y, int64_t rows, int64_t co
 template <class T, int P>
 bool backward_window(const T* y, const T* dy, const bool* mask, T* dx, int64_t rows, int64_t cols, bool log,
                      cudaStream_t stream, const DeviceInfo& dev, cudaError_t* err) {
+  if (use_tiled_backward(cols, sizeof(T), mask != nullptr)) {
+    *err = backward_tiled_rows<T, P>(y, dy, mask, dx, rows, cols, log, stream, dev);
+    return true;
+  }
   if (window_cols<P>(cols) <= backward_warp_window_limit<T>()) {
     const int64_t wcols = window_cols<P>(cols);
     if (window_mode() == WindowMode::kAuto && wcols > kBackwardWarpWindowMaxShortCols &&
