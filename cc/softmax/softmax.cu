@@ -229,8 +229,8 @@ cudaError_t forward_tiled_rows(const T* x, const bool* mask, T* y, int64_t rows,
     constexpr int W = decltype(w)::value;
     const auto kernel = forward_tiled<T, P, W, kTiledPerLane>;
     const size_t smem = tiled_smem_bytes<T>(W, cols, 1, mask != nullptr);
-    return launch_clustered(kernel, tiled_grid(kernel, rows, W, smem, dev), kTiledBlockThreads, smem, 1, stream, x,
-                            mask, y, rows, cols, log);
+    return launch_clustered(kernel, tiled_grid(kernel, rows, kTileRows<W>, kTiledBlockThreads, smem, dev),
+                            kTiledBlockThreads, smem, 1, stream, x, mask, y, rows, cols, log);
   });
 }
 
@@ -241,8 +241,8 @@ cudaError_t backward_tiled_rows(const T* y, const T* dy, const bool* mask, T* dx
     constexpr int W = decltype(w)::value;
     const auto kernel = backward_tiled<T, P, W, kTiledPerLane>;
     const size_t smem = tiled_smem_bytes<T>(W, cols, 2, mask != nullptr);
-    return launch_clustered(kernel, tiled_grid(kernel, rows, W, smem, dev), kTiledBlockThreads, smem, 1, stream, y,
-                            dy, mask, dx, rows, cols, log);
+    return launch_clustered(kernel, tiled_grid(kernel, rows, kTileRows<W>, kTiledBlockThreads, smem, dev),
+                            kTiledBlockThreads, smem, 1, stream, y, dy, mask, dx, rows, cols, log);
   });
 }
 

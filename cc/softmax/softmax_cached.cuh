@@ -157,7 +157,6 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask_arg, T* __
     const int64_t off = row * cols + begin;
     [[maybe_unused]] const RowWindow<P> w(row, cols);
     const unsigned npacks = kWindow ? slice_packs<P>(w, begin / P, slice / P) : row_packs;
-    const int64_t g0 = kWindow ? w.base + begin : off;  // array index of the slice's first pack
     A m;
     if constexpr (kWindow) {
       static_assert(!kMaskable || kMaskCache, "windows are read by cp.async");
@@ -240,8 +239,9 @@ forward_cached(const T* __restrict__ x, const bool* __restrict__ mask_arg, T* __
           }
         }
         if (mask) {
-          const Pack<bool, P> mk = kMaskCache ? load_pack<bool, P>(mask_cache + i * P)
-                                              : load_window_pack<bool, P>(mask, g0 + int64_t(i) * P, total, false);
+          // Uncached flags: register-staged rows, whole packs (windows are read by cp.async).
+          const Pack<bool, P> mk =
+              kMaskCache ? load_pack<bool, P>(mask_cache + i * P) : load_pack<bool, P>(mask + off + i * P);
 #pragma unroll
           for (int p = 0; p < P; ++p)
             if (!mk.v[p]) v[p] = masked_out<A>(kLog);
@@ -427,9 +427,9 @@ backward_cached_lean(const T* __restrict__ y, const T* __restrict__ dy, const bo
       fill_cached_edges<T, P>(cache_g, w, begin / P, npacks, zero);
     }
     const bool has_next = row + stride < rows;
-    const int64_t next_off = kWindow ? RowWindow<P>(row + stride, cols).base + begin : off + stride * cols;
-    [[maybe_unused]] const unsigned next_packs =
-        kWindow && has_next ? slice_packs<P>(RowWindow<P>(row + stride, cols), begin / P, slice / P) : 0;
+    [[maybe_unused]] const RowWindow<P> next_w(row + stride, cols);
+    const int64_t next_off = kWindow ? next_w.base + begin : off + stride * cols;
+    [[maybe_unused]] const unsigned next_packs = kWindow && has_next ? slice_packs<P>(next_w, begin / P, slice / P) : 0;
     if (l2_bytes && has_next) {
       prefetch_l2(y + next_off, l2_bytes);
       prefetch_l2(dy + next_off, l2_bytes);

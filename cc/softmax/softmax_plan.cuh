@@ -59,37 +59,44 @@ bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, si
   return false;
 }
 
-// plan_cached, remembered per (kernel, device, row shape): a plan costs several occupancy
-// queries, which would otherwise run on every call.
-template <class Kernel>
-bool remembered_plan(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, const DeviceInfo& dev,
-                     CachedPlan* plan, size_t long_row_slice = kCachedBytesPerBlock) {
+// compute(value)'s result, remembered per (kernel, device, two shape numbers): a plan costs
+// several occupancy queries, which would otherwise run on every call. Failures (compute returns
+// false) are not remembered.
+template <class V, class F>
+bool remembered(const void* kernel, int device, int64_t a, int64_t b, V* value, F&& compute) {
   struct Entry {
     const void* kernel;
     int device;
-    int64_t cols;
-    size_t bytes_per_col;
-    CachedPlan plan;
+    int64_t a, b;
+    V value;
   };
   static std::mutex mutex;
   static std::vector<Entry> memo;
-  const void* key = reinterpret_cast<const void*>(kernel);
   {
     std::lock_guard<std::mutex> lock(mutex);
     for (const Entry& e : memo) {
-      if (e.kernel == key && e.device == dev.device && e.cols == cols && e.bytes_per_col == bytes_per_col) {
-        *plan = e.plan;
+      if (e.kernel == kernel && e.device == device && e.a == a && e.b == b) {
+        *value = e.value;
         return true;
       }
     }
   }
-  // Failures are not remembered: they send the row to the uncached path, whose rows are so
-  // long that the queries' cost does not show.
-  if (!plan_cached(kernel, cols, pack, bytes_per_col, long_row_slice, dev, plan)) return false;
+  if (!compute(value)) return false;
   std::lock_guard<std::mutex> lock(mutex);
   if (memo.size() >= 256) memo.erase(memo.begin());
-  memo.push_back({key, dev.device, cols, bytes_per_col, *plan});
+  memo.push_back({kernel, device, a, b, *value});
   return true;
+}
+
+// plan_cached, remembered per (kernel, device, row shape). A failure sends the row to the
+// uncached path, whose rows are so long that the queries' cost does not show.
+template <class Kernel>
+bool remembered_plan(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, const DeviceInfo& dev,
+                     CachedPlan* plan, size_t long_row_slice = kCachedBytesPerBlock) {
+  return remembered(reinterpret_cast<const void*>(kernel), dev.device, cols, int64_t(bytes_per_col), plan,
+                    [&](CachedPlan* p) {
+                      return plan_cached(kernel, cols, pack, bytes_per_col, long_row_slice, dev, p);
+                    });
 }
 
 // Whether a plan runs the persistent grid (rather than one block per row; see async_cached_grid).
@@ -132,6 +139,18 @@ inline unsigned l2_prefetch_bytes(const CachedPlan& plan, const DeviceInfo& dev,
   const size_t slice_bytes = size_t(plan.slice) * elem_bytes;
   const size_t share = kL2PrefetchBudget / size_t(blocks) / arrays / 16 * 16;
   return unsigned(std::min(share, slice_bytes));
+}
+
+// The tiled kernels' grid (softmax_tiled.cuh): as many blocks as the device holds at once, at
+// most one a tile of `tile_rows` rows; each block loops over its tiles. 0 when none fits.
+template <class Kernel>
+int64_t tiled_grid(Kernel kernel, int64_t rows, int tile_rows, int threads, size_t smem, const DeviceInfo& dev) {
+  int64_t resident = 0;
+  remembered(reinterpret_cast<const void*>(kernel), dev.device, int64_t(smem), threads, &resident, [&](int64_t* r) {
+    *r = resident_clusters(kernel, threads, smem, 1, dev);
+    return *r > 0;
+  });
+  return std::min<int64_t>(ceil_div<int64_t>(rows, tile_rows), resident);
 }
 
 inline int64_t uncached_grid(int64_t rows, const DeviceInfo& dev) {

@@ -235,13 +235,4 @@ cudaError_t with_tile_shape(int64_t cols, F&& f) {
   return cudaErrorInvalidValue;
 }
 
-// The grid: as many blocks as the device holds at once, at most one a tile; each loops over
-// its tiles.
-template <class Kernel>
-int64_t tiled_grid(Kernel kernel, int64_t rows, int W, size_t smem, const cuda::DeviceInfo& dev) {
-  const int64_t tiles = (rows + kTiledBlockThreads / W - 1) / (kTiledBlockThreads / W);
-  const int64_t resident = cuda::resident_clusters(kernel, kTiledBlockThreads, smem, 1, dev);
-  return tiles < resident ? tiles : resident;
-}
-
 }  // namespace jaxops::softmax
