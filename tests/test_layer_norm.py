@@ -302,7 +302,8 @@ def test_bad_input_raises_before_running():
 @pytest.mark.parametrize("cols", [131072, 100003])
 def test_long_rows_uncached_paths(key, dtype, cols):
     # Rows beyond shared memory (forward: > ~227 KB per row; backward: x, dy and the
-    # accumulators beyond it) take the uncached kernels.
+    # accumulators beyond it) take the uncached kernels; on Hopper the 131072-column backward
+    # instead splits its rows over clusters of 16 blocks (100003 columns, not whole packs, stays).
     k1, k2 = jax.random.split(key)
     x = normal(k1, (3, cols), dtype, scale=2.0) + jnp.asarray(3.0, dtype)
     scale, bias = params(k2, cols, dtype)
@@ -348,6 +349,16 @@ def _check_param_grads_repeat(x, scale, bias, dtype, wkey):
     return w
 
 
+def _check_backward(key, dtype, rows, cols, wkey):
+    """Both ops' gradients on fresh (rows, cols) data against the references, and their dscale /
+    dbias bit-identical over two runs."""
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (rows, cols), dtype) + jnp.asarray(1.0, dtype)
+    scale, bias = params(k2, cols, dtype)
+    _check_both_grads(x, scale, bias, dtype)
+    _check_param_grads_repeat(x, scale, bias, dtype, wkey)
+
+
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("rows,cols", [(2000, 4096), (700, 8192), (1500, 2056), (600, 6152)])
@@ -375,11 +386,48 @@ def test_cluster_slot_sums_gpu(key, monkeypatch, cluster, dtype, rows, cols):
     # 3 rows are fewer than a cluster (falls back to plain slots). Gradients against the
     # references, dscale / dbias of both ops bit-identical over two runs.
     monkeypatch.setenv("JAXOPS_LN_CLUSTER", cluster)
-    k1, k2 = jax.random.split(key)
-    x = normal(k1, (rows, cols), dtype) + jnp.asarray(1.0, dtype)
-    scale, bias = params(k2, cols, dtype)
-    _check_both_grads(x, scale, bias, dtype)
-    _check_param_grads_repeat(x, scale, bias, dtype, jax.random.key(5))
+    _check_backward(key, dtype, rows, cols, jax.random.key(5))
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rows,cols", [(300, 12288), (7, 16392), (130, 40000), (40, 65536)])
+def test_split_rows_backward_gpu(key, dtype, rows, cols):
+    # Rows past one block's registers (> 8192 columns) split over the blocks of a cluster on
+    # Hopper: 12288 columns over 6 blocks (16-bit) or 3 (float); 16392 over 9 (2049 / 4098 packs:
+    # the last block owns fewer); 40000 over 10 / 5; 65536 over 16 (non-portable clusters) / 8;
+    # 7 rows give most clusters no rows.
+    _check_backward(key, dtype, rows, cols, jax.random.key(6))
+
+
+@gpu_only
+@pytest.mark.parametrize("split", ["2", "3", "5", "8"])
+@pytest.mark.parametrize("dtype,rows,cols", [(jnp.bfloat16, 1000, 2048), (jnp.float32, 513, 2056),
+                                             (jnp.float16, 3, 4104), (jnp.bfloat16, 40, 12296)])
+def test_forced_split_rows_backward_gpu(key, monkeypatch, split, dtype, rows, cols):
+    # JAXOPS_LN_SPLIT (read at every launch) splits rows the one-block kernels hold, so the split
+    # runs on short rows too: 256 / 514 packs over 3 / 5 blocks are uneven shares; 3 rows are fewer
+    # than the clusters; 12296 columns over 2 or 3 blocks take the 16-bit kernel without the
+    # prefetch (shares of 769 / 513 packs), the only place besides 131072 columns that does.
+    monkeypatch.setenv("JAXOPS_LN_SPLIT", split)
+    _check_backward(key, dtype, rows, cols, jax.random.key(7))
+
+
+@gpu_only
+def test_split_rows_backward_vmap_gpu(key):
+    # Two groups (a batched scale under vmap): each cluster's slots belong to one group.
+    k1, k2, k3 = jax.random.split(key, 3)
+    x = normal(k1, (2, 50, 12288), jnp.bfloat16)
+    scale = (1.0 + 0.1 * normal(k2, (2, 12288), jnp.float32)).astype(jnp.bfloat16)
+    w = normal(k3, x.shape, jnp.bfloat16)
+
+    def loss(f):
+        return lambda x, s: jnp.sum((jax.vmap(f)(x, s) * w).astype(jnp.float32))
+
+    got = jax.jit(jax.grad(loss(jaxops.rms_norm), (0, 1)))(x, scale)
+    want = jax.grad(loss(rms_ref), (0, 1))(x, scale)
+    for g, r in zip(got, want):
+        close(g, r, jnp.bfloat16, 2.0)
 
 
 @gpu_only

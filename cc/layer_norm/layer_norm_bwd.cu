@@ -6,6 +6,7 @@
 #include "layer_norm/layer_norm_bwd_kernels.cuh"
 #include "layer_norm/layer_norm_launch.cuh"
 #include "layer_norm/layer_norm_lean_bwd.cuh"
+#include "layer_norm/layer_norm_split.cuh"
 
 namespace jaxops::layer_norm {
 namespace {
@@ -89,6 +90,80 @@ cudaError_t launch_slotted(Kernel kernel, const BackwardArgs& a, const cuda::Dev
   return launch_reduce<T>(a, plan.used, stream);
 }
 
+// Rows split over clusters of n blocks (layer_norm_split.cuh), each block running `kernel` on
+// ceil(packs / n) packs of every row, `per_thread` packs a thread. Clusters own the slots: as
+// many as are resident at once, within the workspace's slots and the rows. False when no
+// cluster of this shape fits (the caller falls back).
+template <class T, int kPack, class Kernel>
+bool launch_split(Kernel kernel, const BackwardArgs& a, const cuda::DeviceInfo& info, int n, int per_thread,
+                  cudaStream_t stream, cudaError_t* status) {
+  const Shape& s = a.shape;
+  const int64_t per = (s.cols / kPack + n - 1) / n;
+  const int threads = static_cast<int>(std::max<int64_t>((per + per_thread - 1) / per_thread + 31, 64) / 32 * 32);
+  const size_t smem = sizeof(acc_t<T>) * num_acc(s.rms) * static_cast<size_t>(per * kPack);
+  const int64_t resident = cuda::resident_clusters(kernel, threads, smem, n, info);
+  if (resident < 1) return false;
+  const int64_t used =
+      std::clamp<int64_t>((resident + s.groups - 1) / s.groups, 1, std::min(a.slots_per_group, s.rows_per_group));
+  *status = cuda::launch_clustered(kernel, std::min(s.groups * used, resident) * n, threads, smem, n, stream, a, used);
+  if (*status == cudaSuccess) *status = launch_reduce<T>(a, used, stream);
+  return true;
+}
+
+// JAXOPS_LN_SPLIT=n (a test hook, read at every launch): rows of the register-row kernels'
+// lengths split over n = 2..8 blocks even where one block holds them. 0 when unset or invalid.
+int forced_split() {
+  const char* e = std::getenv("JAXOPS_LN_SPLIT");
+  const int n = e != nullptr ? std::atoi(e) : 0;
+  return n >= 2 && n <= 8 ? n : 0;
+}
+
+// How many blocks share a row: n = ceil(packs / cap) for a block capacity `cap` (packs) from
+// `caps` (ascending), the one whose shares fill their blocks best (fewest idle threads); among
+// equal fills the smaller blocks if `small_first`, else the larger. `forced` > 0 fixes n (the
+// best-filled capacity that holds its shares). 0 when no capacity holds the shares of a cluster
+// of <= 16 blocks (Hopper's largest, non-portable: cuda::allow_cluster opts in past 8).
+inline int split_blocks(int64_t npacks, const int (&caps)[3], bool small_first, int forced) {
+  int best = 0;
+  double best_fill = 0.0;
+  for (int i = 0; i < 3; ++i) {
+    const int64_t cap = caps[small_first ? i : 2 - i];
+    const int64_t n = forced > 0 ? forced : (npacks + cap - 1) / cap;
+    if (n > 16 || (npacks + n - 1) / n > cap) continue;
+    if (const double fill = static_cast<double>(npacks) / static_cast<double>(n * cap); fill > best_fill * 1.000001) {
+      best = static_cast<int>(n);
+      best_fill = fill;
+    }
+  }
+  return best;
+}
+
+// Register rows past one block (Hopper), split over a cluster of up to 16 blocks. Block
+// capacities: 16-bit 256 / 512 packs (the kernel with the next row prefetched, 128 / 256
+// threads) or 1024 (the plain one, 512 threads); float 512 / 1024 / 2048 (128 / 256 / 512
+// threads). Equal fills: 16-bit rows take the smaller blocks, float rows the larger (H100,
+// session 32 run 2, us: bf16 layer_norm_bwd 6144x10240 5 blocks 168.7 / 3 blocks 181.7 /
+// 2 185.3, 4096x12288 6 blocks 140.7 / 3 143.5; float 4096x16384 2 blocks 343.4 / 4 364.0 /
+// 8 376.0, 6144x10240 5 blocks 338.8 / 2 385.8). `forced` (> 0) fixes the block count. False when
+// no split fits (the caller falls back to backward_block).
+template <class T, int kPack>
+bool backward_split(const BackwardArgs& a, const cuda::DeviceInfo& info, int forced, cudaStream_t stream,
+                    cudaError_t* status) {
+  if (info.cc_major < 9) return false;
+  const int64_t npacks = a.shape.cols / kPack;
+  if constexpr (sizeof(T) == 2) {
+    const int n = split_blocks(npacks, {256, 512, 1024}, true, forced);
+    if (n == 0) return false;
+    if ((npacks + n - 1) / n <= 512)
+      return launch_split<T, kPack>(backward_rows_lean<T, kPack, 2, true, true>, a, info, n, 2, stream, status);
+    return launch_split<T, kPack>(backward_rows_lean<T, kPack, 2, false, true>, a, info, n, 2, stream, status);
+  } else {
+    const int n = split_blocks(npacks, {512, 1024, 2048}, false, forced);
+    if (n == 0) return false;
+    return launch_split<T, kPack>(backward_rows<T, kPack, 4, true>, a, info, n, 4, stream, status);
+  }
+}
+
 template <class T, int kPack, int kPacks, int kWidth>
 cudaError_t launch_team(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
   const size_t smem = sizeof(acc_t<T>) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols);
@@ -163,8 +238,12 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
   if constexpr (kPack > 1 && sizeof(T) < 8) {
     // Register rows (x and dy in registers): 16-bit types 2 packs a thread (backward_rows_lean,
     // session 5, <= 64 registers), float 4 (backward_rows); at most 512 threads: up to 8192
-    // columns. Both keep the column accumulators in shared memory: nacc x cols floats.
+    // columns; longer rows split over the blocks of a cluster on Hopper (backward_split, up to
+    // 131072 columns). Both keep the column accumulators in shared memory: nacc x cols floats.
     constexpr int kRowPacks = sizeof(T) == 2 ? 2 : 4;
+    if (const int forced = forced_split(); forced > 0 || npacks > int64_t{512} * kRowPacks) {
+      if (cudaError_t status; backward_split<T, kPack>(a, info, forced, stream, &status)) return status;
+    }
     if (npacks <= int64_t{512} * kRowPacks) {
       const int threads = static_cast<int>(std::max<int64_t>((npacks + kRowPacks - 1) / kRowPacks + 31, 64) / 32 * 32);
       const size_t smem = sizeof(A) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols);
@@ -187,6 +266,8 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
       }
     }
   }
+  // Rows no register-row kernel takes: not whole 16-byte packs, float64, longer than a cluster of
+  // 16 blocks holds, or before Hopper.
   const int threads = block_threads(npacks, 2);
   const size_t cached = (sizeof(A) * num_acc(a.shape.rms) + 2 * sizeof(T)) * static_cast<size_t>(a.shape.cols);
   if (cached <= dynamic_smem_limit(info, 64 * sizeof(A)))

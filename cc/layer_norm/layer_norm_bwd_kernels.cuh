@@ -2,6 +2,7 @@
 // per-slot parameter-gradient partials and their fixed-order reduction (reduce_slots).
 #pragma once
 #include "layer_norm/layer_norm_kernels.cuh"
+#include "layer_norm/layer_norm_split.cuh"
 
 namespace jaxops::layer_norm {
 
@@ -440,24 +441,31 @@ __device__ __forceinline__ void load_row_packs(const T* x, const T* dy, int64_t 
 // (nacc x cols, 16-byte chunks with threads adjacent, no barrier: each thread only touches its
 // own columns): register accumulators took > 128 registers with the prefetch. 16-bit types take
 // backward_rows_lean (session 5); the register-accumulator branch for them was removed (session 6).
-template <class T, int kPack, int kPacks>
+// kSplit (session 32): the row's packs are split over the blocks of a cluster
+// (layer_norm_split.cuh); this block sees only its own `cols` columns, from `first` on.
+template <class T, int kPack, int kPacks, bool kSplit = false>
 __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t used) {
   cuda::enter_kernel();
   using A = acc_t<T>;
   __shared__ A scratch[64];
+  __shared__ float2 parts[kSplit ? 2 : 1][32];  // (split rows only)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* sacc = reinterpret_cast<A*>(smem_raw);  // [nacc][cols], thread-owned columns
   const Shape s = a.shape;
   const int nacc = num_acc(s.rms);
-  const int npacks = static_cast<int>(s.cols / kPack);
-  const T* x = static_cast<const T*>(a.x);
-  const T* dy = static_cast<const T*>(a.dy);
-  T* dx = static_cast<T*>(a.dx);
-  for (int64_t slot = blockIdx.x; slot < s.groups * used; slot += gridDim.x) {
+  const RowPart part = row_part<kSplit>(static_cast<int>(s.cols / kPack));
+  const int npacks = part.count;
+  const int cols = npacks * kPack;
+  const int64_t first = int64_t{part.first} * kPack;
+  const T* x = static_cast<const T*>(a.x) + first;
+  const T* dy = static_cast<const T*>(a.dy) + first;
+  T* dx = static_cast<T*>(a.dx) + first;
+  int parity = 0;
+  for (int64_t slot = part.slot0; slot < s.groups * used; slot += part.slot_step) {
     const int64_t g = slot / used, j = slot % used;
     int64_t begin, end;
     slot_rows(s, g, j, used, &begin, &end);
-    const T* scale = static_cast<const T*>(a.scale) + g * s.cols;
+    const T* scale = static_cast<const T*>(a.scale) + g * s.cols + first;
     Pack<A, kPack> zero;
 #pragma unroll
     for (int e = 0; e < kPack; ++e) zero.v[e] = A(0);
@@ -466,7 +474,7 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
       const int p = threadIdx.x + k * blockDim.x;
       if (p < npacks) {
         store_pack(sacc + p * kPack, zero);
-        if (nacc == 2) store_pack(sacc + s.cols + p * kPack, zero);
+        if (nacc == 2) store_pack(sacc + cols + p * kPack, zero);
       }
     }
     Pack<T, kPack> xp[kPacks], dp[kPacks];
@@ -486,7 +494,9 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
         if (p < npacks)
           pack_sums<T, kPack>(xp[k], dp[k], load_pack<T, kPack>(scale + p * kPack), mean, rstd, sum_g, sum_gx);
       }
-      block_sum2(sum_g, sum_gx, scratch);
+      if constexpr (kSplit) split_row_sums<kSplit>(sum_g, sum_gx, parts, parity);
+      else block_sum2(sum_g, sum_gx, scratch);
+      parity ^= 1;
       const A mg = s.rms ? A(0) : sum_g / A(s.cols), mgx = sum_gx / A(s.cols);
       // As in backward_warp: keep x and dy live across the barrier only in their storage type.
       opaque_packs(xp);
@@ -499,7 +509,7 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
           A as[kPack], ab[kPack];
           const auto cs = load_pack<A, kPack>(sacc + p * kPack);
           Pack<A, kPack> cb;
-          if (nacc == 2) cb = load_pack<A, kPack>(sacc + s.cols + p * kPack);
+          if (nacc == 2) cb = load_pack<A, kPack>(sacc + cols + p * kPack);
 #pragma unroll
           for (int e = 0; e < kPack; ++e) {
             as[e] = cs.v[e];
@@ -515,7 +525,7 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
             nb.v[e] = ab[e];
           }
           store_pack(sacc + p * kPack, ns);
-          if (nacc == 2) store_pack(sacc + s.cols + p * kPack, nb);
+          if (nacc == 2) store_pack(sacc + cols + p * kPack, nb);
         }
       }
       if (row + 1 < end) {
@@ -523,9 +533,9 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
         row_stats<T>(a, row + 1, mean, rstd);
       }
     }
-    if (store_cluster_sums<T>(a, sacc)) continue;
+    if (!kSplit && store_cluster_sums<T>(a, sacc)) continue;
     // Each thread owns its columns for the whole slot: write them straight to the slot's row.
-    A* out = slot_ptr<T>(a, g, j);
+    A* out = slot_ptr<T>(a, g, j) + first;
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
       const int p = threadIdx.x + k * blockDim.x;
@@ -533,11 +543,12 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
 #pragma unroll
         for (int e = 0; e < kPack; ++e) {
           out[p * kPack + e] = sacc[p * kPack + e];
-          if (nacc == 2) out[s.cols + p * kPack + e] = sacc[s.cols + p * kPack + e];
+          if (nacc == 2) out[s.cols + p * kPack + e] = sacc[cols + p * kPack + e];
         }
       }
     }
   }
+  leave_cluster<kSplit>();
 }
 
 // dscale[g][c] (and dbias) = sum over the first `used` slots of group g, in slot order.

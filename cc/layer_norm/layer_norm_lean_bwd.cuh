@@ -19,6 +19,7 @@
 #pragma once
 #include "layer_norm/layer_norm_bwd_kernels.cuh"
 #include "layer_norm/layer_norm_lean.cuh"
+#include "layer_norm/layer_norm_split.cuh"
 
 namespace jaxops::layer_norm {
 
@@ -53,24 +54,30 @@ __device__ __forceinline__ void block_sum2_lean(float& a, float& b, float2* scra
 // prefetch lost 2-4 % in the 99-register, instruction-bound backward_rows; this kernel issues
 // ~29-37 instructions an element instead of ~40.) H100, session 6, bf16 layer_norm_bwd: 1024
 // columns 159.1 -> 151.6 us with the prefetch, 4096 columns 163.7 -> 158.9.
-template <class T, int kPack, int kPacks, bool kRms, bool kPrefetch>
-__device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, int64_t used, float2* scratch) {
+// kSplit (session 32): the row's packs are split over the blocks of a cluster
+// (layer_norm_split.cuh); this block sees only its own columns, from `first` on.
+template <class T, int kPack, int kPacks, bool kRms, bool kPrefetch, bool kSplit>
+__device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, int64_t used, float2* scratch,
+                                                        float2 (*parts)[32]) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* sacc = reinterpret_cast<float*>(smem_raw);  // [kNacc][cols], thread-owned columns
   const Shape& s = a.shape;
-  const int cols = static_cast<int>(s.cols);  // <= 8192 here
-  const int npacks = cols / kPack;
+  const RowPart part = row_part<kSplit>(static_cast<int>(s.cols / kPack));
+  const int npacks = part.count;
+  const int cols = npacks * kPack;  // this block's columns: <= 8192 here
+  const int64_t first = int64_t{part.first} * kPack;
   const float inv_cols = a.inv_cols;
-  const T* x = static_cast<const T*>(a.x);
-  const T* dy = static_cast<const T*>(a.dy);
-  T* dx = static_cast<T*>(a.dx);
+  const T* x = static_cast<const T*>(a.x) + first;
+  const T* dy = static_cast<const T*>(a.dy) + first;
+  T* dx = static_cast<T*>(a.dx) + first;
   const float* means = static_cast<const float*>(a.mean);
   const float* rstds = static_cast<const float*>(a.rstd);
-  for (int64_t slot = blockIdx.x; slot < s.groups * used; slot += gridDim.x) {
+  int parity = 0;
+  for (int64_t slot = part.slot0; slot < s.groups * used; slot += part.slot_step) {
     const int64_t g = slot / used, j = slot % used;  // (once per slot)
     int64_t begin, end;
     slot_rows(s, g, j, used, &begin, &end);
-    const T* scale = static_cast<const T*>(a.scale) + g * s.cols;
+    const T* scale = static_cast<const T*>(a.scale) + g * s.cols + first;
     Pack<T, kPack> sp[kPacks];
     const Pack<float, 4> zero{};
 #pragma unroll
@@ -120,7 +127,9 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
           rstd_n = rstds[row + 1];
         }
       }
-      block_sum2_lean(sum_g, sum_gxm, scratch);
+      if constexpr (kSplit) split_row_sums<kSplit>(sum_g, sum_gxm, parts, parity);
+      else block_sum2_lean(sum_g, sum_gxm, scratch);
+      parity ^= 1;
       const float mgx = sum_gxm * rstd * inv_cols;  // mean(g * xhat)
       const float c1 = -rstd * mgx;
       const float c0 = kRms ? 0.0f : -rstd * (sum_g * inv_cols);  // -rstd * mean(g)
@@ -186,9 +195,9 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
         }
       }
     }
-    if (store_cluster_sums<T>(a, sacc)) continue;
+    if (!kSplit && store_cluster_sums<T>(a, sacc)) continue;
     // Each thread owns its columns for the whole slot: copy them to the slot's partial row.
-    float* out = slot_ptr<T>(a, g, j);
+    float* out = slot_ptr<T>(a, g, j) + first;
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
       const int p = threadIdx.x + k * blockDim.x;
@@ -196,22 +205,25 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
 #pragma unroll
         for (int c = 0; c < kPack; c += 4) {
           store_pack(out + p * kPack + c, load_pack<float, 4>(sacc + p * kPack + c));
-          if constexpr (!kRms) store_pack(out + cols + p * kPack + c, load_pack<float, 4>(sacc + cols + p * kPack + c));
+          if constexpr (!kRms)
+            store_pack(out + s.cols + p * kPack + c, load_pack<float, 4>(sacc + cols + p * kPack + c));
         }
       }
     }
   }
+  leave_cluster<kSplit>();
 }
 
-template <class T, int kPack, int kPacks, bool kPrefetch = false>
+template <class T, int kPack, int kPacks, bool kPrefetch = false, bool kSplit = false>
 __global__ void __launch_bounds__(lean_rows_max_threads<kPacks, kPrefetch>(),
                                   lean_rows_min_blocks<kPacks, kPrefetch>())
     backward_rows_lean(BackwardArgs a, int64_t used) {
   cuda::enter_kernel();
   static_assert(sizeof(T) == 2 && kPack == 8, "8-element packs of bfloat16 / float16");
   __shared__ float2 scratch[32];  // (one array for both bodies)
-  if (a.shape.rms) backward_rows_lean_body<T, kPack, kPacks, true, kPrefetch>(a, used, scratch);
-  else backward_rows_lean_body<T, kPack, kPacks, false, kPrefetch>(a, used, scratch);
+  __shared__ float2 parts[kSplit ? 2 : 1][32];  // (split rows only)
+  if (a.shape.rms) backward_rows_lean_body<T, kPack, kPacks, true, kPrefetch, kSplit>(a, used, scratch, parts);
+  else backward_rows_lean_body<T, kPack, kPacks, false, kPrefetch, kSplit>(a, used, scratch, parts);
 }
 
 }  // namespace jaxops::layer_norm
