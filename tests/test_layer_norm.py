@@ -349,6 +349,17 @@ def _check_param_grads_repeat(x, scale, bias, dtype, wkey):
     return w
 
 
+def _check_forward(key, dtype, rows, cols, offset):
+    """Both ops' forwards on fresh (rows, cols) data, scaled by 2 and shifted by `offset`, against
+    the references; returns x, scale and bias."""
+    k1, k2 = jax.random.split(key)
+    x = normal(k1, (rows, cols), dtype, scale=2.0) + jnp.asarray(offset, dtype)
+    scale, bias = params(k2, cols, dtype)
+    close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
+    close(jaxops.rms_norm(x, scale), rms_ref(x, scale), dtype)
+    return x, scale, bias
+
+
 def _check_backward(key, dtype, rows, cols, wkey):
     """Both ops' gradients on fresh (rows, cols) data against the references, and their dscale /
     dbias bit-identical over two runs."""
@@ -411,6 +422,17 @@ def test_forced_split_rows_backward_gpu(key, monkeypatch, split, dtype, rows, co
     # prefetch (shares of 769 / 513 packs), the only place besides 131072 columns that does.
     monkeypatch.setenv("JAXOPS_LN_SPLIT", split)
     _check_backward(key, dtype, rows, cols, jax.random.key(7))
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype,rows,cols", [(jnp.float32, 600, 65536), (jnp.bfloat16, 5, 262152),
+                                             (jnp.float16, 40, 131072), (jnp.float32, 3, 100000)])
+def test_split_rows_forward_gpu(key, dtype, rows, cols):
+    # Forward rows beyond one block's shared memory split over a cluster's blocks on Hopper, about
+    # 32 KB a block: 65536 float32 columns over 8 blocks with several rows a cluster; 262152 bf16
+    # over 16 (the last block owns fewer packs); 100000 float32 over 13 for rms_norm (layer_norm
+    # keeps the uncached kernel past 8 float32 blocks). y and the gradients against the references.
+    _check_both_grads(*_check_forward(key, dtype, rows, cols, 3.0), dtype)
 
 
 @gpu_only
@@ -515,11 +537,7 @@ def test_forward_grid_partial_blocks_gpu(key, dtype, rows, cols):
     # block): row counts that leave the last block partly empty (lean team blocks hold 8-256 rows:
     # 16-bit one row a team, float two) or give fewer blocks than SMs, for the narrow (8, 128),
     # wide (1024) and block (1032, 4096) lean kernels.
-    k1, k2 = jax.random.split(key)
-    x = normal(k1, (rows, cols), dtype, scale=2.0) + jnp.asarray(1.5, dtype)
-    scale, bias = params(k2, cols, dtype)
-    close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
-    close(jaxops.rms_norm(x, scale), rms_ref(x, scale), dtype)
+    _check_forward(key, dtype, rows, cols, 1.5)
 
 
 @gpu_only

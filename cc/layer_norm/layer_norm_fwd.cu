@@ -100,6 +100,38 @@ cudaError_t launch_wide(const ForwardArgs& a, const cuda::DeviceInfo& info, cuda
   return cudaErrorInvalidValue;  // unreachable: the caller checked the capacity
 }
 
+// Rows beyond one block's shared memory, split over a cluster of n blocks (Hopper, session 32):
+// each block caches ceil(packs / n) packs, about 32 KB (n = 2..16, the block forward's size at
+// 8192-16384 columns), and the row sums are added across the cluster (layer_norm_split.cuh). The
+// row is read once instead of twice by forward_uncached. False when no split fits.
+template <class T, int kPack>
+bool forward_split(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream, cudaError_t* status) {
+  if constexpr (kLeanType<T, kPack>) {
+    if (info.cc_major < 9 || !lean_forward<T, kPack>(a)) return false;
+    constexpr int64_t kShareBytes = 32 * 1024;
+    const int64_t npacks = a.shape.cols / kPack, pack_bytes = kPack * sizeof(T);
+    const int64_t n = std::clamp<int64_t>((npacks * pack_bytes + kShareBytes - 1) / kShareBytes, 2, 16);
+    // float32 layer_norm over clusters of more than 8 keeps forward_uncached: split into 16, its
+    // 512x131072 forward went from 320.7 to 389.2 us (two cluster-wide sums a row), while
+    // rms_norm went 311.7 -> 256.9 and bfloat16 layer_norm (8 blocks) 188.2 -> 155.9 (H100,
+    // session 32 runs 7 and 9). Split into 8, float32 layer_norm 1024x65536 read 0.625 of copy;
+    // uncached was not measured there (0.557 at 131072).
+    if (sizeof(T) == 4 && !a.shape.rms && n > 8) return false;
+    const int64_t per = (npacks + n - 1) / n;
+    const size_t smem = static_cast<size_t>(per * pack_bytes);
+    if (smem > dynamic_smem_limit(info, 64 * sizeof(float) + 512)) return false;
+    auto kernel = forward_block_lean<T, kPack, true>;
+    const int threads = block_threads(per, 4);
+    const int64_t resident = cuda::resident_clusters(kernel, threads, smem, static_cast<int>(n), info);
+    if (resident < 1) return false;
+    const int64_t clusters = std::min(a.shape.rows, resident);
+    *status = cuda::launch_clustered(kernel, clusters * n, threads, smem, static_cast<int>(n), stream, a);
+    return true;
+  } else {
+    return false;
+  }
+}
+
 template <class T, int kPack>
 cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
   const int64_t npacks = a.shape.cols / kPack;
@@ -128,6 +160,7 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
     const int64_t grid = forward_grid(a.shape.rows, 1, persistent, per_sm, info);
     return cuda::launch_kernel(kernel, static_cast<unsigned>(grid), threads, smem, stream, a);
   }
+  if (cudaError_t status; forward_split<T, kPack>(a, info, stream, &status)) return status;
   auto kernel = forward_uncached<T, kPack>;
   const int big = 1024;
   int per_sm = 1;

@@ -9,20 +9,32 @@
 #pragma once
 #include "layer_norm/layer_norm_lean.cuh"
 #include "layer_norm/layer_norm_lean_bwd.cuh"
+#include "layer_norm/layer_norm_split.cuh"
 
 namespace jaxops::layer_norm {
 
-template <class T, int kPack, bool kRms>
-__device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, float2* scratch) {
+// kSplit (session 32): rows beyond one block's shared memory split over the blocks of a cluster
+// (layer_norm_split.cuh); this block caches and writes only its own packs, and the row sums are
+// added across the cluster. The shift is the row's first element in every block.
+template <class T, int kPack, bool kRms, bool kSplit = false>
+__device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, float2* scratch,
+                                                        float2 (*parts)[32]) {
   constexpr int kLoadChunk = 4, kWriteChunk = sizeof(T) == 4 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* cache = reinterpret_cast<T*>(smem_raw);
   const Shape& s = a.shape;
-  const int npacks = static_cast<int>(s.cols / kPack);  // (shared memory bounds cols)
-  const auto [inv_cols, eps, x, y, scale, bias] = lean_setup<T>(a);
-  for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
+  const RowPart part = row_part<kSplit>(static_cast<int>(s.cols / kPack));
+  const int npacks = part.count;  // (shared memory bounds it)
+  const int64_t first = int64_t{part.first} * kPack;
+  const auto [inv_cols, eps, x_row0, y_row0, scale_all, bias_all] = lean_setup<T>(a);
+  const T* x = x_row0 + first;
+  T* y = y_row0 + first;
+  const T* scale = scale_all + first;
+  const T* bias = kRms ? nullptr : bias_all + first;
+  int parity = 0;
+  for (int64_t row = part.slot0; row < s.rows; row += part.slot_step) {
     const T* xr = x + row * s.cols;
-    const float shift = kRms ? 0.0f : to_acc(xr[0]);
+    const float shift = kRms ? 0.0f : to_acc(x_row0[row * s.cols]);
     float sum = 0.0f, sq = 0.0f, unused = 0.0f;
     for (int p0 = threadIdx.x; p0 < npacks; p0 += kLoadChunk * blockDim.x) {
       Pack<T, kPack> xp[kLoadChunk];
@@ -48,7 +60,9 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
     }
     float mean_rel = 0.0f;
     if constexpr (!kRms) {
-      block_sum2_lean(sum, unused, scratch);
+      if constexpr (kSplit) split_row_sums<kSplit>(sum, unused, parts, parity);
+      else block_sum2_lean(sum, unused, scratch);
+      parity ^= 1;
       mean_rel = sum * inv_cols;
       for (int p = threadIdx.x; p < npacks; p += blockDim.x) {
         float f[kPack];
@@ -60,7 +74,9 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
         }
       }
     }
-    block_sum2_lean(sq, unused, scratch);
+    if constexpr (kSplit) split_row_sums<kSplit>(sq, unused, parts, parity);
+    else block_sum2_lean(sq, unused, scratch);
+    parity ^= 1;
     const float rstd = rsqrtf(sq * inv_cols + eps);
     const float c = kRms ? 0.0f : -mean_rel * rstd;
     T* yr = y + row * s.cols;
@@ -91,25 +107,27 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
         }
       }
     }
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && part.first == 0) {
       if (!kRms && a.mean) static_cast<float*>(a.mean)[row] = shift + mean_rel;
       static_cast<float*>(a.rstd)[row] = rstd;
     }
   }
+  leave_cluster<kSplit>();
 }
 
-template <class T, int kPack>
+template <class T, int kPack, bool kSplit = false>
 __device__ __forceinline__ void forward_block_lean_kernel_body(const ForwardArgs& a) {
   static_assert(sizeof(T) <= 4 && kPack * sizeof(T) == 16, "16-byte packs of float / 16-bit types");
   __shared__ float2 scratch[32];  // (one array for both bodies: 256 bytes, as forward_block)
-  if (a.shape.rms) forward_block_lean_body<T, kPack, true>(a, scratch);
-  else forward_block_lean_body<T, kPack, false>(a, scratch);
+  __shared__ float2 parts[kSplit ? 2 : 1][32];  // (split rows only)
+  if (a.shape.rms) forward_block_lean_body<T, kPack, true, kSplit>(a, scratch, parts);
+  else forward_block_lean_body<T, kPack, false, kSplit>(a, scratch, parts);
 }
 
-template <class T, int kPack>
+template <class T, int kPack, bool kSplit = false>
 __global__ void __launch_bounds__(1024) forward_block_lean(ForwardArgs a) {
   cuda::enter_kernel();
-  forward_block_lean_kernel_body<T, kPack>(a);
+  forward_block_lean_kernel_body<T, kPack, kSplit>(a);
 }
 
 // Session 6: the same kernel for <= 256 threads, capped at 48 registers. ptxas gives
