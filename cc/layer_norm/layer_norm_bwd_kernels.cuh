@@ -454,8 +454,8 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
   const Shape s = a.shape;
   const int nacc = num_acc(s.rms);
   const RowPart part = row_part<kSplit>(static_cast<int>(s.cols / kPack));
-  const int npacks = part.count;
-  const int cols = npacks * kPack;
+  const int npacks = kSplit ? part.count : static_cast<int>(s.cols / kPack);
+  const int64_t cols = kSplit ? int64_t{npacks} * kPack : s.cols;  // (unsplit: as before the split)
   const int64_t first = int64_t{part.first} * kPack;
   const T* x = static_cast<const T*>(a.x) + first;
   const T* dy = static_cast<const T*>(a.dy) + first;

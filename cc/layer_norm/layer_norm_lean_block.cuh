@@ -32,7 +32,7 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
   const T* scale = scale_all + first;
   const T* bias = kRms ? nullptr : bias_all + first;
   int parity = 0;
-  for (int64_t row = part.slot0; row < s.rows; row += part.slot_step) {
+  for (int64_t row = kSplit ? part.slot0 : blockIdx.x; row < s.rows; row += kSplit ? part.slot_step : gridDim.x) {
     const T* xr = x + row * s.cols;
     const float shift = kRms ? 0.0f : to_acc(x_row0[row * s.cols]);
     float sum = 0.0f, sq = 0.0f, unused = 0.0f;
