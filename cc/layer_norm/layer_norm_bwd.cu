@@ -99,7 +99,7 @@ bool launch_split(Kernel kernel, const BackwardArgs& a, const cuda::DeviceInfo& 
                   cudaStream_t stream, cudaError_t* status) {
   const Shape& s = a.shape;
   const int64_t per = (s.cols / kPack + n - 1) / n;
-  const int threads = static_cast<int>(std::max<int64_t>((per + per_thread - 1) / per_thread + 31, 64) / 32 * 32);
+  const int threads = register_row_threads(per, per_thread);
   const size_t smem = sizeof(acc_t<T>) * num_acc(s.rms) * static_cast<size_t>(per * kPack);
   const int64_t resident = cuda::resident_clusters(kernel, threads, smem, n, info);
   if (resident < 1) return false;
@@ -245,7 +245,7 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
       if (cudaError_t status; backward_split<T, kPack>(a, info, forced, stream, &status)) return status;
     }
     if (npacks <= int64_t{512} * kRowPacks) {
-      const int threads = static_cast<int>(std::max<int64_t>((npacks + kRowPacks - 1) / kRowPacks + 31, 64) / 32 * 32);
+      const int threads = register_row_threads(npacks, kRowPacks);
       const size_t smem = sizeof(A) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols);
       if constexpr (sizeof(T) == 2) {
         // <= 4096 columns: next row prefetched, 3 blocks of 256 an SM (session 6: bf16 16384x4096

@@ -31,6 +31,11 @@ inline int block_threads(int64_t npacks, int per_thread) {
   return static_cast<int>(std::clamp<int64_t>((t + 31) / 32 * 32, 128, 1024));
 }
 
+// Threads for a register-row kernel holding `per_thread` packs a thread: whole warps, at least 64.
+inline int register_row_threads(int64_t npacks, int per_thread) {
+  return static_cast<int>(std::max<int64_t>((npacks + per_thread - 1) / per_thread + 31, 64) / 32 * 32);
+}
+
 // Opts `kernel` into `smem` bytes of dynamic shared memory (cuda::allow_dynamic_smem counts the
 // static part too) and returns how many of its blocks fit on one SM (at least 1).
 template <class Kernel>
