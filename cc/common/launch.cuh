@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "common/cuda_util.cuh"
+#include "common/memo.h"
 
 namespace jaxops::cuda {
 
@@ -159,6 +160,21 @@ int64_t resident_clusters(Kernel kernel, int threads, size_t smem, int cluster, 
     return 0;
   }
   return active;
+}
+
+// resident_clusters, remembered per (kernel, device, shape): launchers that size their grid by
+// it every call would otherwise pay its occupancy query (and attribute calls) each time. The
+// kernel's attributes, set by the first query, persist for the device. 0 (nothing fits) is
+// not remembered.
+template <class Kernel>
+int64_t remembered_resident_clusters(Kernel kernel, int threads, size_t smem, int cluster, const DeviceInfo& dev) {
+  int64_t resident = 0;
+  remembered(reinterpret_cast<const void*>(kernel), dev.device, int64_t{threads} * 64 + cluster, int64_t(smem),
+             &resident, [&](int64_t* r) {
+               *r = resident_clusters(kernel, threads, smem, cluster, dev);
+               return *r > 0;
+             });
+  return resident;
 }
 
 }  // namespace jaxops::cuda

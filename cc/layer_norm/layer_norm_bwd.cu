@@ -66,7 +66,7 @@ bool launch_cluster_slots(Kernel kernel, const BackwardArgs& a, const cuda::Devi
                           size_t smem, int preferred, cudaStream_t stream, cudaError_t* status) {
   const int n = slot_cluster(a, info, preferred);
   if (n == 1) return false;
-  const int64_t clusters = std::min(cuda::resident_clusters(kernel, threads, smem, n, info),
+  const int64_t clusters = std::min(cuda::remembered_resident_clusters(kernel, threads, smem, n, info),
                                     std::min(a.slots_per_group, a.shape.rows_per_group) / n);
   if (clusters < 1) return false;
   const int64_t used = clusters * n;
@@ -83,7 +83,7 @@ cudaError_t launch_slotted(Kernel kernel, const BackwardArgs& a, const cuda::Dev
       cluster > 0 && launch_cluster_slots<T>(kernel, a, info, threads, smem, cluster, stream, &status))
     return status;
   int per_sm = 1;
-  if (cudaError_t err = prepare(kernel, threads, smem, &per_sm); err != cudaSuccess) return err;
+  if (cudaError_t err = prepare(kernel, threads, smem, info, &per_sm); err != cudaSuccess) return err;
   const SlotPlan plan = plan_slots(a, info, per_sm);
   if (cudaError_t err = cuda::launch_kernel(kernel, static_cast<unsigned>(plan.grid), threads, smem, stream, a,
       plan.used); err != cudaSuccess) return err;
@@ -101,7 +101,7 @@ bool launch_split(Kernel kernel, const BackwardArgs& a, const cuda::DeviceInfo& 
   const int64_t per = (s.cols / kPack + n - 1) / n;
   const int threads = register_row_threads(per, per_thread);
   const size_t smem = sizeof(acc_t<T>) * num_acc(s.rms) * static_cast<size_t>(per * kPack);
-  const int64_t resident = cuda::resident_clusters(kernel, threads, smem, n, info);
+  const int64_t resident = cuda::remembered_resident_clusters(kernel, threads, smem, n, info);
   if (resident < 1) return false;
   const int64_t used =
       std::clamp<int64_t>((resident + s.groups - 1) / s.groups, 1, std::min(a.slots_per_group, s.rows_per_group));

@@ -37,14 +37,19 @@ inline int register_row_threads(int64_t npacks, int per_thread) {
 }
 
 // Opts `kernel` into `smem` bytes of dynamic shared memory (cuda::allow_dynamic_smem counts the
-// static part too) and returns how many of its blocks fit on one SM (at least 1).
+// static part too) and returns how many of its blocks fit on one SM (at least 1). Remembered per
+// kernel, device and shape: the queries would otherwise cost host time at every launch (the
+// attribute, set by the first call, persists).
 template <class Kernel>
-cudaError_t prepare(Kernel kernel, int threads, size_t smem, int* blocks_per_sm) {
-  if (cudaError_t err = cuda::allow_dynamic_smem(kernel, smem); err != cudaSuccess) return err;
+cudaError_t prepare(Kernel kernel, int threads, size_t smem, const cuda::DeviceInfo& info, int* blocks_per_sm) {
+  cudaError_t status = cudaSuccess;
   int n = 0;
-  if (cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem);
-      err != cudaSuccess)
-    return err;
+  remembered(reinterpret_cast<const void*>(kernel), info.device, threads, int64_t(smem), &n, [&](int* r) {
+    status = cuda::allow_dynamic_smem(kernel, smem);
+    if (status == cudaSuccess) status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(r, kernel, threads, smem);
+    return status == cudaSuccess;
+  });
+  if (status != cudaSuccess) return status;
   *blocks_per_sm = std::max(n, 1);
   return cudaSuccess;
 }

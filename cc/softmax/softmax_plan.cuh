@@ -3,11 +3,10 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
-#include <vector>
 
 #include "common/cuda_util.cuh"
 #include "common/launch.cuh"
+#include "common/memo.h"
 #include "softmax/softmax_common.cuh"
 
 namespace jaxops::softmax {
@@ -57,35 +56,6 @@ bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, si
     }
   }
   return false;
-}
-
-// compute(value)'s result, remembered per (kernel, device, two shape numbers): a plan costs
-// several occupancy queries, which would otherwise run on every call. Failures (compute returns
-// false) are not remembered.
-template <class V, class F>
-bool remembered(const void* kernel, int device, int64_t a, int64_t b, V* value, F&& compute) {
-  struct Entry {
-    const void* kernel;
-    int device;
-    int64_t a, b;
-    V value;
-  };
-  static std::mutex mutex;
-  static std::vector<Entry> memo;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    for (const Entry& e : memo) {
-      if (e.kernel == kernel && e.device == device && e.a == a && e.b == b) {
-        *value = e.value;
-        return true;
-      }
-    }
-  }
-  if (!compute(value)) return false;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (memo.size() >= 256) memo.erase(memo.begin());
-  memo.push_back({kernel, device, a, b, *value});
-  return true;
 }
 
 // plan_cached, remembered per (kernel, device, row shape). A failure sends the row to the
@@ -145,11 +115,7 @@ inline unsigned l2_prefetch_bytes(const CachedPlan& plan, const DeviceInfo& dev,
 // most one a tile of `tile_rows` rows; each block loops over its tiles. 0 when none fits.
 template <class Kernel>
 int64_t tiled_grid(Kernel kernel, int64_t rows, int tile_rows, int threads, size_t smem, const DeviceInfo& dev) {
-  int64_t resident = 0;
-  remembered(reinterpret_cast<const void*>(kernel), dev.device, int64_t(smem), threads, &resident, [&](int64_t* r) {
-    *r = resident_clusters(kernel, threads, smem, 1, dev);
-    return *r > 0;
-  });
+  const int64_t resident = remembered_resident_clusters(kernel, threads, smem, 1, dev);
   return std::min<int64_t>(ceil_div<int64_t>(rows, tile_rows), resident);
 }
 
