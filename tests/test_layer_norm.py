@@ -518,11 +518,23 @@ def test_lean_team_forward_gpu(key, dtype, cols):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("cols", [1032, 2056, 4096, 6152, 8192])
+@pytest.mark.parametrize("cols", [1032, 1536, 2048])
+@pytest.mark.parametrize("widest", ["1", "0"])
+def test_widest_team_forward_gpu(key, monkeypatch, widest, dtype, cols):
+    # 1032-2048 columns: the widest lean team (session 33: a warp per row, 64 values a lane,
+    # 16-bit 8 packs / float 16; 1032 / 1536 leave lanes or rounds past the row) or
+    # forward_block_lean, each forced (JAXOPS_LN_FWD_WIDE) whichever the launcher would pick.
+    monkeypatch.setenv("JAXOPS_LN_FWD_WIDE", widest)
+    _check_lean_forward(key, dtype, rows=3001, cols=cols, grad_rows=1000, vmap_rows=20)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("cols", [2056, 4096, 6152, 8192])
 def test_lean_block_forward_gpu(key, dtype, cols):
     # forward_block_lean (session 5): one block per row, row cached in shared memory, for 16-byte
-    # packs with one parameter group. 1032 columns (float32 258 packs, 16-bit 129) and 2056 / 6152
-    # leave the last load chunk of 4 packs a thread partly past the row; rows far from zero check
+    # packs with one parameter group, past the widest team (2048 columns). 2056 / 6152 leave the
+    # last load chunk of 4 packs a thread partly past the row; rows far from zero check
     # the shift (first element) and the saved mean / rstd (through the gradients and the float64
     # formula). Per-example parameters (vmap, groups > 1) take forward_block: checked too.
     _check_lean_forward(key, dtype, rows=2500, cols=cols, grad_rows=600, vmap_rows=10)
@@ -531,20 +543,20 @@ def test_lean_block_forward_gpu(key, dtype, cols):
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("rows", [1, 3, 9, 131, 4103])
-@pytest.mark.parametrize("cols", [8, 128, 1024, 1032, 4096])
+@pytest.mark.parametrize("cols", [8, 128, 1024, 1536, 2056, 4096])
 def test_forward_grid_partial_blocks_gpu(key, dtype, rows, cols):
     # Non-persistent forward grids (session 5: grid = ceil(rows / rows a block), one row group a
-    # block): row counts that leave the last block partly empty (lean team blocks hold 8-256 rows:
+    # block): row counts that leave the last block partly empty (lean team blocks hold 4-256 rows:
     # 16-bit one row a team, float two) or give fewer blocks than SMs, for the narrow (8, 128),
-    # wide (1024) and block (1032, 4096) lean kernels.
+    # wide (1024, 1536) and block (2056, 4096) lean kernels.
     _check_forward(key, dtype, rows, cols, 1.5)
 
 
 @gpu_only
-@pytest.mark.parametrize("rows,cols", [(8 * 65537 + 5, 128), (65539, 1032)])
+@pytest.mark.parametrize("rows,cols", [(8 * 65537 + 5, 128), (65539, 2056)])
 def test_forward_large_grid_gpu(key, rows, cols):
-    # The largest grids the tests can afford (~135 MB of bfloat16): bfloat16 128 columns (8 rows a
-    # block: 65538 blocks, the last with 5 rows) and 1032 columns (forward_block_lean, one row a
+    # The largest grids the tests can afford (135-270 MB of bfloat16): bfloat16 128 columns (8 rows
+    # a block: 65538 blocks, the last with 5 rows) and 2056 columns (forward_block_lean, one row a
     # block: 65539 blocks), past the 65535 limit of the other grid dimensions and with 64-bit row
     # offsets past 2^26 elements. Every row is checked against the reference.
     k1, k2 = jax.random.split(key)

@@ -1,5 +1,6 @@
 // Forward launchers: picks the team / block / uncached kernel by row length and pack width.
 #include <algorithm>
+#include <cstdlib>
 
 #include "layer_norm/layer_norm_cuda.h"
 #include "layer_norm/layer_norm_fwd_kernels.cuh"
@@ -27,7 +28,7 @@ template <class Kernel>
 cudaError_t launch_team_kernel(Kernel kernel, int kWidth, int kRows, bool persistent, const ForwardArgs& a,
                                const cuda::DeviceInfo& info, cudaStream_t stream) {
   int per_sm = 1;
-  if (cudaError_t err = prepare(kernel, kTeamThreads, 0, &per_sm); err != cudaSuccess) return err;
+  if (cudaError_t err = prepare(kernel, kTeamThreads, 0, info, &per_sm); err != cudaSuccess) return err;
   const int64_t rows_per_block = kTeamThreads / kWidth * kRows;
   const int64_t grid = forward_grid(a.shape.rows, rows_per_block, persistent, per_sm, info);
   return cuda::launch_kernel(kernel, static_cast<unsigned>(grid), kTeamThreads, 0, stream, a);
@@ -122,7 +123,7 @@ bool forward_split(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStrea
     if (smem > dynamic_smem_limit(info, 64 * sizeof(float) + 512)) return false;
     auto kernel = forward_block_lean<T, kPack, true>;
     const int threads = block_threads(per, 4);
-    const int64_t resident = cuda::resident_clusters(kernel, threads, smem, static_cast<int>(n), info);
+    const int64_t resident = cuda::remembered_resident_clusters(kernel, threads, smem, static_cast<int>(n), info);
     if (resident < 1) return false;
     const int64_t clusters = std::min(a.shape.rows, resident);
     *status = cuda::launch_clustered(kernel, clusters * n, threads, smem, static_cast<int>(n), stream, a);
@@ -132,12 +133,40 @@ bool forward_split(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStrea
   }
 }
 
+// The widest lean team (session 33): a warp per row, 64 values a lane (16-bit 8 packs, float
+// 16; 96 / 128 registers, 5 / 4 blocks an SM), where forward_block_lean would take the row. It
+// keeps the row in registers (no shared-memory pass, no block barriers) and has 2x the block
+// kernel's bytes in flight an SM. H100, session 33 runs 1-2, us (team / block, 16384 and 65536
+// rows): layer_norm bf16 1032 28.7 / 41.4, 100.7 / 155.2; 1536 38.0 / 45.9 (XLA 38.4);
+// 2048 49.6 / 53.7, 183.0 / 203.3; float32 1536 72.5 / 73.6, 272.5 / 285.2; 1792 83.9 / 83.1,
+// 2048 95.2 / 92.2. rms_norm (one block reduction, so the block kernel is cheaper): bf16 1152
+// 29.1 / 30.9, 103.8 / 114.8; 1536 38.0 / 37.2, 137.7 / 141.1; 1792 43.5 / 41.7; float32 1032
+// 50.1 / 48.6, 1280 60.7 / 57.7. So: 16-bit layer_norm up to 2048 columns, 16-bit rms_norm and
+// float32 layer_norm up to 1536, float32 rms_norm never. JAXOPS_LN_FWD_WIDE (a test hook, read
+// at every launch): 1 takes the team wherever it fits, 0 never.
+template <class T>
+constexpr int kWidestPacks = 64 * static_cast<int>(sizeof(T)) / 16;
+
+template <class T>
+bool widest_team(int64_t npacks, bool rms) {
+  if (npacks > 32 * kWidestPacks<T>) return false;
+  if (const char* e = std::getenv("JAXOPS_LN_FWD_WIDE"); e != nullptr && (e[0] == '0' || e[0] == '1'))
+    return e[0] == '1';
+  const int64_t cols = npacks * 16 / static_cast<int64_t>(sizeof(T));
+  if (sizeof(T) == 2) return !rms || cols <= 1536;
+  return !rms && cols <= 1536;
+}
+
 template <class T, int kPack>
 cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
   const int64_t npacks = a.shape.cols / kPack;
   constexpr int64_t kMaxTeamPacks = kPack > 1 ? 32 * std::min(8, 32 / kPack) : 32;
   if (npacks <= 32) return launch_narrow<T, kPack>(a, info, stream, team_width(npacks));
   if (npacks <= kMaxTeamPacks) return launch_wide<T, kPack>(a, info, stream, team_packs(npacks));
+  if constexpr (kLeanType<T, kPack>) {
+    if (lean_forward<T, kPack>(a) && widest_team<T>(npacks, a.shape.rms))
+      return launch_team<T, kPack, kWidestPacks<T>, 32, 1, true>(a, info, stream);
+  }
 
   using A = acc_t<T>;
   const int threads = block_threads(npacks, 4);
@@ -156,7 +185,7 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
       }
     }
     int per_sm = 1;
-    if (cudaError_t err = prepare(kernel, threads, smem, &per_sm); err != cudaSuccess) return err;
+    if (cudaError_t err = prepare(kernel, threads, smem, info, &per_sm); err != cudaSuccess) return err;
     const int64_t grid = forward_grid(a.shape.rows, 1, persistent, per_sm, info);
     return cuda::launch_kernel(kernel, static_cast<unsigned>(grid), threads, smem, stream, a);
   }
@@ -164,7 +193,7 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
   auto kernel = forward_uncached<T, kPack>;
   const int big = 1024;
   int per_sm = 1;
-  if (cudaError_t err = prepare(kernel, big, 0, &per_sm); err != cudaSuccess) return err;
+  if (cudaError_t err = prepare(kernel, big, 0, info, &per_sm); err != cudaSuccess) return err;
   const int64_t grid = std::min<int64_t>(a.shape.rows, int64_t{info.sm_count} * per_sm);
   return cuda::launch_kernel(kernel, static_cast<unsigned>(grid), big, 0, stream, a);
 }

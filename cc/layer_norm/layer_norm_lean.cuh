@@ -227,10 +227,12 @@ __device__ __forceinline__ void forward_lean_body(const ForwardArgs& a) {
 // Register cap (ptxas -v, sm_90): narrow rows hold the scale/bias packs and (two 16-bit rows) 16
 // floats of row: 56 registers (9 blocks of 128 threads, 56 % occupancy, as forward_team achieved;
 // 48 spilled 8 bytes, 40 12-64); one row: 40. Wide 16-bit rows of 4 packs: 56 (48 spilled 16-100
-// bytes), of 2 packs: 48; the rest as forward_team.
+// bytes), of 2 packs: 48; the widest teams (64 values a lane, session 33): 16-bit 96 (80 spilled
+// 40 bytes, 72 116), float 128 (96 spilled 16); the rest as forward_team.
 template <class T>
 constexpr int lean_min_blocks(int packs, int bytes) {
   if (packs == 1) return bytes > 16 ? 9 : 12;
+  if (bytes / static_cast<int>(sizeof(T)) >= 64) return sizeof(T) == 2 ? 5 : 4;
   if (sizeof(T) == 2 && packs >= 2) return packs >= 4 ? 9 : 10;  // (2 packs: 40 spilled 16 B on sm_80)
   return forward_min_blocks<T>(bytes);
 }
