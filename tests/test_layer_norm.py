@@ -388,13 +388,14 @@ def test_register_row_backward_gpu(key, dtype, rows, cols):
 @pytest.mark.parametrize("cluster", ["1", "2", "8"])
 @pytest.mark.parametrize("dtype,rows,cols", [(jnp.bfloat16, 3001, 4096), (jnp.bfloat16, 13, 8192),
                                              (jnp.float16, 7000, 1024), (jnp.float32, 2000, 4096),
-                                             (jnp.bfloat16, 3, 2056)])
+                                             (jnp.bfloat16, 3, 2056), (jnp.bfloat16, 20000, 1032)])
 def test_cluster_slot_sums_gpu(key, monkeypatch, cluster, dtype, rows, cols):
     # On Hopper the register-row backward kernels run in clusters whose blocks add their column
     # sums through distributed shared memory and write one partial row a cluster (default 4
     # blocks, covered by every other backward test; JAXOPS_LN_CLUSTER is read at every launch).
     # 1 = no clusters; 2 and 8; 13 rows on 8-block clusters leave empty slots in the cluster;
-    # 3 rows are fewer than a cluster (falls back to plain slots). Gradients against the
+    # 3 rows are fewer than a cluster (falls back to plain slots); 20000 bf16 rows of 1032 columns
+    # run more blocks than the workspace has slots (16-bit: one slot a cluster). Gradients against the
     # references, dscale / dbias of both ops bit-identical over two runs.
     monkeypatch.setenv("JAXOPS_LN_CLUSTER", cluster)
     _check_backward(key, dtype, rows, cols, jax.random.key(5))

@@ -58,16 +58,24 @@ int slot_cluster(const BackwardArgs& a, const cuda::DeviceInfo& info, int prefer
   return preferred == 2 || preferred == 4 || preferred == 8 ? preferred : 1;
 }
 
-// One slot per block in clusters of n: as many whole clusters as are resident at once, within
-// the workspace's slots and the rows; reduce_slots then adds one partial row per cluster. False
-// when the plain plan applies (n == 1, or fewer rows or slots than one cluster).
+// One run of rows per block in clusters of n, as many whole clusters as are resident at once, and
+// at most a row per block; reduce_slots then adds one partial row per cluster (store_cluster_sums
+// adds the blocks' column sums). 16-bit rows: one workspace slot per cluster (session 33; the
+// blocks were capped at the slots before, and 528 slots held short rows' blocks of 96-128
+// threads to 4 an SM). H100, session 33 run 4, us (before -> after): bf16 layer_norm_bwd
+// 32768x1032 112.6 -> 89.5, 16384x1536 72.3 -> 62.8, 16384x2048 86.7 -> 80.8; rms_norm_bwd
+// 103.7 -> 84.4, 66.5 -> 60.7, 80.6 -> 78.5. float keeps one slot per block: more blocks
+// measured 8 % faster at 1032 columns (171.3 -> 157.6) but 1-4 % slower at 1536-2048 (rms_norm
+// 16384x1536 116.7 -> 121.5). False when the plain plan applies (n == 1, or fewer rows or slots
+// than one cluster).
 template <class T, class Kernel>
 bool launch_cluster_slots(Kernel kernel, const BackwardArgs& a, const cuda::DeviceInfo& info, int threads,
                           size_t smem, int preferred, cudaStream_t stream, cudaError_t* status) {
   const int n = slot_cluster(a, info, preferred);
   if (n == 1) return false;
-  const int64_t clusters = std::min(cuda::remembered_resident_clusters(kernel, threads, smem, n, info),
-                                    std::min(a.slots_per_group, a.shape.rows_per_group) / n);
+  const int64_t rows = a.shape.rows_per_group, slots = a.slots_per_group;
+  const int64_t most = sizeof(T) == 2 ? std::min(slots, rows / n) : std::min(slots, rows) / n;
+  const int64_t clusters = std::min(cuda::remembered_resident_clusters(kernel, threads, smem, n, info), most);
   if (clusters < 1) return false;
   const int64_t used = clusters * n;
   *status = cuda::launch_clustered(kernel, used, threads, smem, n, stream, a, used);
@@ -225,12 +233,14 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
     // and the next row prefetched (96-128 threads a row, <= 64 registers, 8 blocks an SM) instead
     // of backward_warp (128 registers, 2 blocks of 8 row-warps, session-4 math: IEEE divisions,
     // per-row scale loads). H100, session 6: bf16 65536x1024 layer_norm_bwd 163.4 -> 151.6 us.
-    // No clusters by default: session 8 measured 2 / 4 blocks a cluster within +-2 % (layer_norm
-    // slower, rms_norm faster, in two runs).
+    // Clusters of 2 since session 33 (with a slot per cluster, twice the blocks: 8 an SM; before,
+    // session 8 measured 2 / 4 within +-2 %). H100, session 33 run 4, bf16 layer_norm_bwd, us:
+    // 16384x1024 50.8 -> 45.6, 32768x776 85.3 -> 72.9, 65536x1024 153.9 -> 153.4, 65536x520
+    // 104.6 -> 106.0 (clusters of 4: 46.5, 76.1, 156.0, 111.1); rms_norm alike.
     if (npacks > 64 && npacks <= 128) {
       const int threads = static_cast<int>((npacks + 31) / 32 * 32);
       const size_t acc_smem = sizeof(float) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols);
-      return launch_slotted<T>(backward_rows_lean<T, kPack, 1, true>, a, info, threads, acc_smem, stream, 1);
+      return launch_slotted<T>(backward_rows_lean<T, kPack, 1, true>, a, info, threads, acc_smem, stream, 2);
     }
   }
   if (npacks <= kMaxTeamPacks) return launch_wide<T, kPack>(a, info, stream, team_packs(npacks));
