@@ -1,16 +1,21 @@
 """Exact brute-force k-nearest neighbours (squared Euclidean) and k-NN classification.
 
 How it runs: distances come from the GEMM expansion ``||q||^2 + ||r||^2 - 2 q.r``. The
-references are cut into tiles; for each tile XLA's own float32 dot (``precision=HIGHEST``, so
-no TF32) computes ``q.r``, and one jaxops kernel fuses the rest of the epilogue with the
-k-selection of the tile and the merge into each query's running top-k list, carried across
-tiles by ``lax.scan``. The distance matrix is never materialised beyond one tile of 2^28
-float32 distances (1 GB): XLA's temporaries are ~1.2 GB for float32/16-bit inputs with
-k <= 2048, ~3.3 GB for float64 inputs or k > 2048 (XLA-sort path), ~4.3 GB for both, plus
-a padded copy of the references when n is not a multiple of the tile width. So m = 10000
-queries against n = 2^20 references fit easily on one GPU. When there are
-few queries the reference tiles are also split across independent lists (more parallelism on
-the GPU), merged at the end with one small sort.
+references are cut into tiles; for each tile XLA's own dot computes ``q.r``, and one jaxops
+kernel fuses the rest of the epilogue with the k-selection of the tile and the merge into each
+query's running top-k list, carried across tiles by ``lax.scan``. The distance matrix is never
+materialised beyond one tile of 2^28 float32 distances (1 GB): XLA's temporaries are ~1.2 GB
+for float32/16-bit inputs with k <= 2048, ~3.3 GB for float64 inputs or k > 2048 (XLA-sort
+path), ~4.3 GB for both, plus a padded copy of the references when n is not a multiple of the
+tile width. So m = 10000 queries against n = 2^20 references fit easily on one GPU. When there
+are few queries the reference tiles are also split across independent lists (more parallelism
+on the GPU), merged at the end with one small sort.
+
+On GPUs, large float32/16-bit searches run that scan on the tensor cores (one-pass TF32) as a
+*filter* only: it keeps a few more candidates than k by provable lower bounds of their
+distances, whose exact float32 distances then decide; a query whose candidates cannot be proved
+to hold its k nearest is searched again exactly (see "TF32 filter" below). The results are
+those of the float32 search either way, at a fraction of the float32 GEMM's time.
 
 Order: ascending distance, ties to the lower reference index, NaN distances last (then by
 index). The kernel ranks by exactly this total order, so results are deterministic.
@@ -18,6 +23,7 @@ index). The kernel ranks by exactly this total order, so results are determinist
 from __future__ import annotations
 
 import math
+import os
 from functools import partial
 
 import jax
@@ -27,7 +33,7 @@ from jax import lax
 
 from jaxops._checks import check_float
 from jaxops._ffi import _check_backend
-from jaxops._sharding import Rule, sharded_call
+from jaxops._sharding import Rule, in_batched_trace, sharded_call
 
 __all__ = ["knn", "knn_classify"]
 
@@ -53,12 +59,13 @@ def knn(queries: jax.typing.ArrayLike, refs: jax.typing.ArrayLike, k: int, *,
       queries: (m, d) float32, bfloat16, float16 or float64 array.
       refs: (n, d) array of the same kinds of dtype (the two may differ).
       k: number of neighbours, a Python int with 1 <= k <= n.
-      precision: precision of the ``q.r`` products, passed to :func:`jax.lax.dot_general`.
-        None (the default) means ``lax.Precision.HIGHEST``: true float32 products (no TF32),
-        as exact as the GEMM expansion allows. On GPUs with tensor cores,
-        ``jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3`` keeps nearly float32 accuracy and is
-        several times faster than the float32 GEMM for large problems; a one-pass setting such
-        as ``lax.Precision.DEFAULT`` (TF32) is fastest but reorders near ties.
+      precision: None (the default): distances from float32 products (no TF32 or
+        half-precision products decide the result), as exact as the GEMM expansion allows;
+        on GPUs large searches get there through the tensor cores (a TF32 filter whose
+        candidates are proved, then ranked by their float32 distances). Otherwise the
+        precision of the one ``q.r`` GEMM, passed to :func:`jax.lax.dot_general` as given
+        (``lax.Precision.HIGHEST``: the float32 GEMM alone, no filter; a one-pass setting
+        such as ``lax.Precision.DEFAULT`` (TF32) ranks by TF32 products and reorders near ties).
 
     Returns:
       ``(sq_dists, indices)``: (m, k) float32 squared distances sorted ascending and the (m, k)
@@ -66,9 +73,12 @@ def knn(queries: jax.typing.ArrayLike, refs: jax.typing.ArrayLike, k: int, *,
       NaN distances (from NaN or infinite features) rank after every number, +inf included.
 
     Distances are ``max(||q||^2 + ||r||^2 - 2 q.r, 0)`` computed in float32 (half-precision
-    inputs are upcast first; no TF32 or half-precision products), so they differ from the
-    exact value by a few float32 ulps of ``||q||^2 + ||r||^2``; with float64 inputs they are
-    computed in float64 and rounded to float32 for ranking and output.
+    inputs are upcast first), so they differ from the exact value by a few float32 ulps of
+    ``||q||^2 + ||r||^2``; with float64 inputs they are computed in float64 and rounded to
+    float32 for ranking and output.
+
+    ``JAXOPS_KNN_FILTER=0`` in the environment turns the TF32 filter off (``1`` forces it at
+    every size and on the CPU, where it is emulated: for tests).
 
     Works under ``jax.jit`` and ``jax.vmap`` (batched query and/or reference sets). Not
     differentiable: ``jax.grad`` through it raises a TypeError (wrap the inputs in
@@ -137,9 +147,10 @@ def _check_inputs(fn: str, queries, refs, k):
 
 
 def _check_precision(fn: str, precision):
-    """None -> HIGHEST (true float32 products); else a lax.Precision (or its name) or preset."""
+    """None stays None (exact float32 distances, by the filter where it pays; see _search_all);
+    else a lax.Precision (or its name) or a preset, used for the one GEMM as given."""
     if precision is None:
-        return lax.Precision.HIGHEST
+        return None
     if isinstance(precision, str):
         try:
             return lax.Precision(precision)
@@ -193,18 +204,25 @@ def _plan(m: int, n: int, k: int, kernel: bool):
 
 @partial(jax.jit, static_argnums=(2, 3, 4))
 def _search(q, r, k, plan, precision):
+    q, r = _compute_dtype(q, r)
+    if q.shape[0] == 0:
+        return jnp.zeros((0, k), jnp.float32), jnp.zeros((0, k), jnp.int32)
+    return _search_tiles(q, r, jnp.sum(q * q, axis=-1), jnp.sum(r * r, axis=-1), k, plan, precision)
+
+
+def _compute_dtype(q, r):
+    cdt = jnp.float64 if jnp.float64 in (q.dtype, r.dtype) else jnp.float32
+    return q.astype(cdt), r.astype(cdt)
+
+
+def _search_tiles(q, r, qn, rn, k, plan, precision):
+    """Top-k by the GEMM expansion (qn + rn - 2 q.r), given the squared norms (or, for the
+    filter, lowered stand-ins for them); q and r already in the compute dtype, m >= 1."""
     m, d = q.shape
     n = r.shape[0]
-    f64 = jnp.float64 in (q.dtype, r.dtype)
-    cdt = jnp.float64 if f64 else jnp.float32
-    q = q.astype(cdt)
-    r = r.astype(cdt)
-    if m == 0:
-        return jnp.zeros((0, k), jnp.float32), jnp.zeros((0, k), jnp.int32)
+    f64 = q.dtype == jnp.float64
     kernel = k <= _MAX_KERNEL_K
     splits, tm, tn, nt = plan
-    qn = jnp.sum(q * q, axis=-1)
-    rn = jnp.sum(r * r, axis=-1)
 
     # References as (nt, splits, tn, d): step j of the scan handles tiles j*splits + s, whose
     # first reference is (j*splits + s)*tn. Padding rows sit past n and are never selected.
@@ -246,14 +264,22 @@ def _search(q, r, k, plan, precision):
     return best_d.reshape(mt * tm, k)[:m], best_i.reshape(mt * tm, k)[:m]
 
 
+def _product_dims(rt):
+    """dot_general dimensions of q (rows, d) against one split (tn, d) or all (splits, tn, d)."""
+    if rt.ndim == 2:
+        return ((1,), (1,)), ((), ())
+    return ((2,), (2,)), ((0,), (0,))
+
+
 def _inner_products(q, rt, precision):
     """(splits, rows, tn) = q . rt^T for every split, in the compute dtype."""
-    if rt.shape[0] == 1:
-        ip = lax.dot_general(q, rt[0], (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=q.dtype)
-        return ip[None]
-    qb = jnp.broadcast_to(q, (rt.shape[0],) + q.shape)
-    return lax.dot_general(qb, rt, (((2,), (2,)), ((0,), (0,))), precision=precision,
+    if rt.ndim == 3 and rt.shape[0] == 1:
+        return _inner_products(q, rt[0], precision)[None]
+    if rt.ndim == 3:
+        q = jnp.broadcast_to(q, (rt.shape[0],) + q.shape)
+    if precision == _TF32:
+        return _tf32_products(q, rt)
+    return lax.dot_general(q, rt, _product_dims(rt), precision=precision,
                            preferred_element_type=q.dtype)
 
 
@@ -315,6 +341,162 @@ def _merge_splits(best_d, best_i, k):
 
 
 
+# --------------------------------------------------------------------------- TF32 filter
+# The exact float32 GEMM runs on the SIMT cores; a one-pass TF32 GEMM runs on the tensor cores
+# several times faster but gets q.r wrong by up to ~2^-10 |q||r|, which would reorder near
+# neighbours. So TF32 only filters: with the squared norms lowered by a bound on that error,
+# the search keeps the kp > k smallest *lower bounds* of each query's distances; the kp
+# candidates' exact float32 distances are then computed, and the k best by (distance, index)
+# returned. A query's result is exact when its kp-th lower bound exceeds U, the k-th smallest
+# *upper* bound among its candidates: every reference left out then lies strictly beyond k
+# candidates. Every query is checked on the device. The few that fail (many references within
+# the error bound of their k-th distance: exact ties, huge common offsets) are searched again
+# exactly, up to _fallback_rows of them; past that, or if an input is not finite, the whole
+# exact search runs instead (lax.switch). Results never depend on the filter.
+#
+# The bound, per query and reference (u = 2^-24, S = sum |q_i r_i| <= (|q|^2 + |r|^2) / 2):
+#   operands rounded to TF32 here:       product error  <= (2 * 2^-11 + 2^-22) S
+#   accumulation, tensor core / exact:   <= d 2^-22 S + d 2^-23 S  (4x / 2x the f32 ideal)
+#   the epilogues' roundings:            <= 2^-21 (qn + rn)
+# so |dist_tf32 - dist_f32| <= c/2 (qn + rn) with c = 2 (2^-10 + 2^-22 + 3 d 2^-23) + 2^-18, and
+# the search ranks (1 - c)(qn + rn) - tau - 2 q.r_tf32 <= dist_f32 (tau covers flushed subnormal
+# inputs and products, absolutely). Linear in the norms, it runs through the unchanged kernel.
+# Rounding the operands here (to nearest) halves the bound of the hardware's truncation, and
+# the tensor cores then see exact TF32 values. H200 (session 34), raw operands: observed errors
+# 6-43 % of the product and accumulation terms (d = 1024 ... 32), so the slack is 2.3-16x them.
+
+# Filter only when the TF32 GEMM saves more than the rerank costs (H100: from ~2^30 MACs).
+_FILTER_MIN_WORK = 1 << 30
+_FILTER_MAX_D = 4096
+_FILTER_ENV = "JAXOPS_KNN_FILTER"  # "1": filter at every size and on every platform; "0": never
+
+
+def _filter_slack(d: int) -> float:
+    return 2.0 * (2.0 ** -10 + 2.0 ** -22 + 3.0 * d * 2.0 ** -23) + 2.0 ** -18
+
+
+def _filter_list(k: int, n: int):
+    """Candidates kept per query: k plus a quarter (at least 16), to a power of two (the
+    kernel's list size), at most the kernel's largest list and below n; None if none fits."""
+    kp = 32
+    while kp < k + max(k // 4, 16):
+        kp *= 2
+    return kp if kp <= _MAX_KERNEL_K and kp < n else None
+
+
+def _fallback_rows(m: int) -> int:
+    """Queries the filter may fail and still be re-searched one by one (not all m)."""
+    return min(m, max(64, m // 128))
+
+
+def _filter_mode(q, r, k, precision):
+    """None (exact search), "always" (the filter on every platform) or "gpu"."""
+    forced = os.environ.get(_FILTER_ENV, "")
+    if forced == "0" or precision is not None or jnp.float64 in (q.dtype, r.dtype):
+        return None
+    m, d = q.shape
+    n = r.shape[0]
+    if m == 0 or d == 0 or _filter_list(k, n) is None:
+        return None
+    if forced == "1":
+        return "always"
+    # Under vmap the proof's lax.switch would run the exact search as well, always.
+    if in_batched_trace() or m * n * d < _FILTER_MIN_WORK or d > _FILTER_MAX_D or 2 * _filter_list(k, n) > n:
+        return None
+    return "gpu"
+
+
+_TF32 = "tf32"  # _inner_products' marker for the filter's one-pass GEMM
+
+
+def _round_tf32(x):
+    """float32 -> nearest TF32 value (10 mantissa bits; ties away from zero), as float32."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return lax.bitcast_convert_type((bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000),
+                                    jnp.float32)
+
+
+def _tf32_products(q, rt):
+    """Products of TF32-valued operands: one-pass TF32 on GPUs; float32 on the CPU (tests),
+    where the products of such operands are the same up to the accumulation."""
+    dims = _product_dims(rt)
+
+    def exact(q, rt):
+        return lax.dot_general(q, rt, dims, precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+    def tf32(q, rt):
+        return lax.dot_general(q, rt, dims, precision=lax.DotAlgorithmPreset.TF32_TF32_F32,
+                               preferred_element_type=jnp.float32)
+
+    return lax.platform_dependent(q, rt, cpu=exact, default=tf32)
+
+
+@partial(jax.jit, static_argnames=("k", "kp", "plan", "exact_plan"))
+def _filtered_search(q, r, *, k, kp, plan, exact_plan):
+    q, r = _compute_dtype(q, r)
+    m, n = q.shape[0], r.shape[0]
+    qn = jnp.sum(q * q, axis=-1)
+    rn = jnp.sum(r * r, axis=-1)
+    best, proved = _filter(q, r, qn, rn, k, kp, plan)
+    failed = m - jnp.sum(proved.astype(jnp.int32))
+    rows = _fallback_rows(m)
+
+    def all_exact():
+        return _search_tiles(q, r, qn, rn, k, exact_plan, lax.Precision.HIGHEST)
+
+    def some_exact():  # the failed queries (at most `rows`) searched again; padding dropped
+        which = jnp.nonzero(~proved, size=rows, fill_value=m)[0]
+        safe = jnp.minimum(which, m - 1)
+        again = _search_tiles(q[safe], r, qn[safe], rn, k, _plan(rows, n, k, True),
+                              lax.Precision.HIGHEST)
+        return tuple(b.at[which].set(a, mode="drop") for b, a in zip(best, again))
+
+    branches = [lambda: best, all_exact] if rows >= m else [lambda: best, some_exact, all_exact]
+    choice = jnp.where(failed == 0, 0, jnp.where(failed <= rows, 1, len(branches) - 1))
+    return lax.switch(choice, branches)
+
+
+def _filter(q, r, qn, rn, k, kp, plan):
+    """((sq_dists, indices) of the k best of each query's kp candidates, and per query whether
+    they are proved to be its exact k nearest)."""
+    c = _filter_slack(q.shape[1])
+    big = jnp.maximum(jnp.max(qn), jnp.max(rn))
+    finite = jnp.isfinite(big) & (big < 2.0 ** 100)
+    tau = jnp.where(finite, q.shape[1] * 2.0 ** -100 * (1 + jnp.sqrt(big)), 0).astype(jnp.float32)
+    lower, cand = _search_tiles(_round_tf32(q), _round_tf32(r), (1 - c) * qn - tau,
+                                (1 - c) * rn, kp, plan, _TF32)
+    cand = jnp.clip(cand, 0, r.shape[0] - 1)  # lists are full (kp < n); clip is insurance
+    rn_c = jnp.take(rn, cand, axis=0)
+    dist = _exact_distances(q, qn, r, rn_c, cand)
+    upper = (lower + 2 * (c * (qn[:, None] + rn_c) + tau)) * (1 + 2.0 ** -20)
+    u_k = lax.sort(upper, dimension=1)[:, k - 1]
+    proved = finite & (lower[:, kp - 1] > u_k)
+    return _sort_take(_canonical(dist), cand, k), proved
+
+
+_RERANK_ELEMS = 1 << 25  # gathered reference values per chunk of queries (128 MB)
+
+
+def _exact_distances(q, qn, r, rn_c, cand):
+    """float32 squared distances of each query to its candidates, by the same expansion as
+    the exact search (products summed in float32; no tensor cores), chunked over queries."""
+    def rows(q, qn, rn_c, cand):
+        ip = jnp.sum(q[:, None, :] * jnp.take(r, cand, axis=0), axis=-1)
+        return (qn[:, None] + rn_c) - 2 * ip
+
+    m, kp = cand.shape
+    per = max(1, _RERANK_ELEMS // (kp * max(q.shape[1], 1)))
+    if per >= m:
+        return rows(q, qn, rn_c, cand)
+    chunks = -(-m // per)
+    pad = chunks * per - m
+    split = lambda x: jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(  # noqa: E731
+        (chunks, per) + x.shape[1:])
+    out = lax.map(lambda a: rows(*a), (split(q), split(qn), split(rn_c), split(cand)))
+    return out.reshape(chunks * per, kp)[:m]
+
+
 # --------------------------------------------------------------------------- many devices
 # (jaxops._sharding) Queries split across devices are independent. References split across
 # devices: each device finds the top-k of its own block, with global indices, and one
@@ -340,8 +522,20 @@ def _classify_jvp(num_classes, k, precision, primals, tangents):
 
 def _search_all(q, r, k, precision):
     """The search of every reference held here (all of them on one device)."""
-    kernel = k <= _MAX_KERNEL_K
-    return _search(q, r, k, _plan(q.shape[0], r.shape[0], k, kernel), precision)
+    m, n = q.shape[0], r.shape[0]
+    exact = partial(_search, k=k, plan=_plan(m, n, k, k <= _MAX_KERNEL_K),
+                    precision=lax.Precision.HIGHEST if precision is None else precision)
+    mode = _filter_mode(q, r, k, precision)
+    if mode is None:
+        return exact(q, r)
+    kp = _filter_list(k, n)
+    filtered = partial(_filtered_search, k=k, kp=kp, plan=_plan(m, n, kp, True),
+                       exact_plan=exact.keywords["plan"])
+    if mode == "always":
+        return filtered(q, r)
+    # The filter pays where the one-pass TF32 GEMM is several times faster than the float32
+    # one (GPU tensor cores); on the CPU both GEMMs cost the same.
+    return lax.platform_dependent(q, r, cpu=exact, default=filtered)
 
 
 def _local_top_k(q, r, k, names, extra, *values):

@@ -210,6 +210,15 @@ def sharded_call(name: str, local: Callable[..., Any], rule: Rule, *args: jax.Ar
     return _vmappable(_Op(local, rule, name), *args)
 
 
+_BATCHED_TRACES = [0]  # local functions being traced under vmap right now (tracing is synchronous)
+
+
+def in_batched_trace() -> bool:
+    """True while an op's local function is traced under ``jax.vmap``: data-dependent control
+    flow there (``lax.cond`` / ``lax.switch``) would run every branch, so ops can avoid it."""
+    return _BATCHED_TRACES[0] > 0
+
+
 def _vmappable(op: _Op, *args):
     @custom_vmap
     def call(*xs):
@@ -221,7 +230,11 @@ def _vmappable(op: _Op, *args):
         axes_in = tuple(0 if b else None for b in in_batched)
 
         def local(*ys, axes):
-            return jax.vmap(partial(op.local, axes=axes), in_axes=axes_in)(*ys)
+            _BATCHED_TRACES[0] += 1
+            try:
+                return jax.vmap(partial(op.local, axes=axes), in_axes=axes_in)(*ys)
+            finally:
+                _BATCHED_TRACES[0] -= 1
 
         batched = _Op(local, op.rule.with_leading_batch(in_batched), op.name)
         out = _vmappable(batched, *xs)

@@ -405,9 +405,11 @@ def test_handler_validates_again():
 
 @gpu_only
 @pytest.mark.parametrize("k", [1, 25, 32, 33, 100, 128, 256, 500, 1024, 2048])
-def test_gpu_kernel_k_buckets(key, k):
+def test_gpu_kernel_k_buckets(key, monkeypatch, k):
     """Every list size K (32..2048, 128 and 256 threads), the float4 path (n % 4 == 0); k = 128
-    is the largest k with a seeded first tile, k = 500 one round of the flush's selection."""
+    is the largest k with a seeded first tile, k = 500 one round of the flush's selection.
+    The exact search's kernel (the TF32 filter, default at this size, would ask for kp > k)."""
+    monkeypatch.setenv("JAXOPS_KNN_FILTER", "0")
     q, r = data(key, 1200, 32768, 64)
     dists, idx = jaxops.knn(q, r, k)
     check_knn(q[:128], r, k, dists[:128], idx[:128])
@@ -415,8 +417,10 @@ def test_gpu_kernel_k_buckets(key, k):
 
 @gpu_only
 @pytest.mark.parametrize("m,n,k", [(1200, 32767, 25), (2, 1 << 20, 32), (4096, 65536 * 3, 256)])
-def test_gpu_paths(key, m, n, k):
-    """Scalar loads (odd n), split references (few queries), several tiles (scan)."""
+def test_gpu_paths(key, monkeypatch, m, n, k):
+    """Scalar loads (odd n), split references (few queries), several tiles (scan), in the
+    exact search (the filter's own tests follow)."""
+    monkeypatch.setenv("JAXOPS_KNN_FILTER", "0")
     q, r = data(key, m, n, 32)
     dists, idx = jaxops.knn(q, r, k)
     check_knn(q[-64:], r, k, dists[-64:], idx[-64:])
@@ -451,3 +455,151 @@ def test_gpu_first_tile_orders(key, order, k):
     dists, idx = jaxops.knn(q, r, k)
     rows = np.arange(0, m, 97)
     check_knn(q[rows], r, k, dists[rows], idx[rows], exact=True)
+
+
+# ----------------------------------------------------------------------------- TF32 filter
+# The default search on large problems ranks TF32 lower bounds, then recomputes the kept
+# candidates' float32 distances (jaxops/_knn.py, "TF32 filter"). JAXOPS_KNN_FILTER=1 forces it
+# at every size and, on the CPU, emulates TF32 by truncating the operands' mantissas.
+
+
+def _filter_flag(q, r, k):
+    """(k best of the filter's candidates, whether the filter proved them exact)."""
+    q, r = knn_module._compute_dtype(jnp.asarray(q), jnp.asarray(r))
+    kp = knn_module._filter_list(k, r.shape[0])
+    plan = knn_module._plan(q.shape[0], r.shape[0], kp, True)
+    f = jax.jit(lambda q, r: knn_module._filter(q, r, jnp.sum(q * q, -1), jnp.sum(r * r, -1),
+                                                k, kp, plan))
+    (dists, idx), proved = f(q, r)
+    return dists, idx, bool(proved.all())
+
+
+@pytest.mark.parametrize("m,n,d,k", [(50, 3000, 32, 10), (7, 600, 5, 1), (40, 2000, 64, 100),
+                                     (300, 5000, 16, 25), (3, 20000, 8, 200)])
+def test_filter_matches_reference(key, monkeypatch, m, n, d, k):
+    """Random data: the filter proves its candidates exact, and the result is the exact one."""
+    monkeypatch.setenv("JAXOPS_KNN_FILTER", "1")
+    q, r = data(key, m, n, d)
+    dists, idx, ok = _filter_flag(q, r, k)
+    assert ok
+    check_knn(q, r, k, dists, idx)
+    full_d, full_i = jaxops.knn(q, r, k)
+    check_knn(q, r, k, full_d, full_i)
+    monkeypatch.setenv("JAXOPS_KNN_FILTER", "0")
+    exact_d, exact_i = jaxops.knn(q, r, k)
+    np.testing.assert_allclose(np.asarray(full_d), np.asarray(exact_d), rtol=1e-5, atol=1e-5)
+
+
+def test_filter_falls_back_when_it_cannot_prove(key, monkeypatch):
+    """A large common offset (TF32 error far above the gaps between distances) and non-finite
+    inputs: the filter cannot prove its candidates, and the exact search answers."""
+    monkeypatch.setenv("JAXOPS_KNN_FILTER", "1")
+    q, r = data(key, 60, 3000, 32)
+    for qq, rr in [(q + 100, r + 100), (q.at[3, 1].set(jnp.nan), r),
+                   (q, r.at[7, 0].set(jnp.inf)), (q * 1e15, r * 1e15)]:
+        assert not _filter_flag(qq, rr, 20)[2]
+        dists, idx = jaxops.knn(qq, rr, 20)
+        check_knn(qq, rr, 20, dists, idx)
+
+
+def test_filter_researches_the_queries_it_cannot_prove(key, monkeypatch):
+    """Two queries sit on 100 identical references far from the rest (ties at their k-th
+    distance, beyond the filter's candidate list): only they fail the proof, only they are searched again exactly
+    (the rest keep the filter's result), and every row matches the reference with ties to the
+    lower index."""
+    monkeypatch.setenv("JAXOPS_KNN_FILTER", "1")
+    q, r = data(key, 100, 3000, 16)
+    r = r.at[1000:1100].set(r[5] + 6)
+    q = q.at[jnp.array([7, 42])].set(r[5] + 6.001)
+    proved = jax.jit(lambda q, r: knn_module._filter(
+        q, r, jnp.sum(q * q, -1), jnp.sum(r * r, -1), 10, 32,
+        knn_module._plan(100, 3000, 32, True))[1])(q, r)
+    np.testing.assert_array_equal(np.where(~np.asarray(proved))[0], [7, 42])
+    assert knn_module._fallback_rows(100) < 100  # the re-search branch, not the whole search
+    dists, idx = jaxops.knn(q, r, 10)
+    check_knn(q, r, 10, dists, idx)
+    np.testing.assert_array_equal(np.asarray(idx)[[7, 42]], np.tile(np.arange(1000, 1010), (2, 1)))
+
+
+def test_filter_margin_is_what_makes_it_exact(key, monkeypatch):
+    """Without the error margin the same check passes on offset data while the TF32 ranking
+    has lost true neighbours: the margin, not luck, keeps the filter exact."""
+    monkeypatch.setenv("JAXOPS_KNN_FILTER", "1")
+    monkeypatch.setattr(knn_module, "_filter_slack", lambda d: 0.0)
+    kq, kr = jax.random.split(key)
+    q = jax.random.normal(kq, (60, 32), jnp.float32) + 40
+    r = jax.random.normal(kr, (3000, 32), jnp.float32) + 40
+    dists, idx, ok = _filter_flag(q, r, 20)
+    assert ok
+    with pytest.raises(AssertionError):
+        check_knn(q, r, 20, dists, idx)
+
+
+def test_filter_exact_ties_and_vmap(key, monkeypatch):
+    """Integer features (many exact ties at the k-th distance) under vmap: filtered or not,
+    the result is the exact one with ties to the lower index."""
+    monkeypatch.setenv("JAXOPS_KNN_FILTER", "1")
+    kq, kr = jax.random.split(key)
+    qs, rs = small_ints(kq, (3, 30, 6)), small_ints(kr, (3, 2000, 6))
+    dists, idx = jax.vmap(lambda q, r: jaxops.knn(q, r, 9))(qs, rs)
+    for j in range(3):
+        check_knn(qs[j], rs[j], 9, dists[j], idx[j], exact=True)
+
+
+def test_filter_default_sizes(monkeypatch):
+    """The filter is the default only where it pays: big problems, k leaving a slack list of
+    at most 2048 below n / 2, float32/16-bit inputs, no explicit precision."""
+    monkeypatch.delenv("JAXOPS_KNN_FILTER", raising=False)
+    q, r = jnp.ones((1200, 256), jnp.float32), jnp.ones((32768, 256), jnp.float32)
+    assert knn_module._filter_mode(q, r, 25, None) == "gpu"
+    assert knn_module._filter_list(25, 32768) == 64 and knn_module._filter_list(256, 10**6) == 512
+    assert knn_module._filter_list(1700, 10**6) is None  # 2125 candidates: exact search
+    assert knn_module._filter_mode(q, r, 25, jax.lax.Precision.HIGHEST) is None
+    assert knn_module._filter_mode(q[:10], r[:100], 5, None) is None  # too small to pay
+    assert knn_module._filter_mode(q.astype(jnp.float64), r, 25, None) is None
+    modes, mode_of = [], knn_module._filter_mode
+
+    def spy(*args):
+        modes.append(mode_of(*args))
+        return modes[-1]
+
+    monkeypatch.setattr(knn_module, "_filter_mode", spy)
+    jax.eval_shape(lambda q, r: jaxops.knn(q, r, 25), q, r)
+    assert modes and set(modes) == {"gpu"}
+    modes.clear()  # under vmap the exact search: the proof's switch would run it anyway
+    jax.eval_shape(jax.vmap(lambda q, r: jaxops.knn(q, r, 25)), q[None], r[None])
+    assert modes[-1] is None  # the batched trace (custom_vmap first traces the plain function)
+
+
+@gpu_only
+def test_gpu_tf32_error_within_filter_bound(key):
+    """The filter's premise on this GPU: for operands rounded to TF32, |q.r by TF32 - q.r in
+    float32| <= the bound's product and accumulation terms, sum |q_i r_i| (2^-10 + 2^-22 +
+    3 d 2^-23); the filter's slack is twice that (H200, session 34: raw operands reached 0.43
+    of it at d = 32, 0.14 at d = 256)."""
+    dims = (((1,), (1,)), ((), ()))
+    for d in (32, 256, 1024):
+        kq, kr = jax.random.split(jax.random.fold_in(key, d))
+        for scale in (1e-3, 1.0, 1e3):
+            q = jax.random.normal(kq, (256, d), jnp.float32) * scale
+            r = (jax.random.normal(kr, (2048, d), jnp.float32) + 0.3) * scale
+            t = jax.lax.dot_general(knn_module._round_tf32(q), knn_module._round_tf32(r), dims,
+                                    precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32)
+            e = jax.lax.dot_general(q, r, dims, precision=jax.lax.Precision.HIGHEST)
+            s = jax.lax.dot_general(jnp.abs(q), jnp.abs(r), dims, precision=jax.lax.Precision.HIGHEST)
+            bound = 2.0 ** -10 + 2.0 ** -22 + 3 * d * 2.0 ** -23
+            assert float(jnp.max(jnp.abs(t - e) / s)) <= bound
+
+
+@gpu_only
+@pytest.mark.parametrize("m,n,d,k", [(1200, 32768, 256, 25), (2048, 65536, 128, 256),
+                                     (5, 100000, 64, 1000), (1100, 8193, 33, 7)])
+def test_gpu_filter_matches_reference(key, monkeypatch, m, n, d, k):
+    """The TF32 filter on the tensor cores: proved exact on random data, same neighbours as the
+    reference (split lists for few queries, k = 1000, odd n and d)."""
+    monkeypatch.setenv("JAXOPS_KNN_FILTER", "1")
+    q, r = data(key, m, n, d)
+    dists, idx, ok = _filter_flag(q, r, k)
+    assert ok
+    rows = np.unique(np.array([0, 1, m // 2, m - 1]))
+    check_knn(q[rows], r, k, np.asarray(dists)[rows], np.asarray(idx)[rows])
