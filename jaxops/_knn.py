@@ -278,7 +278,9 @@ def _inner_products(q, rt, precision):
     if rt.ndim == 3:
         q = jnp.broadcast_to(q, (rt.shape[0],) + q.shape)
     if precision == _TF32:
-        return _tf32_products(q, rt)
+        precision = lax.DotAlgorithmPreset.TF32_TF32_F32
+    elif precision == _TF32_AS_F32:
+        precision = lax.Precision.HIGHEST
     return lax.dot_general(q, rt, _product_dims(rt), precision=precision,
                            preferred_element_type=q.dtype)
 
@@ -389,24 +391,34 @@ def _fallback_rows(m: int) -> int:
     return min(m, max(64, m // 128))
 
 
-def _filter_mode(q, r, k, precision):
-    """None (exact search), "always" (the filter on every platform) or "gpu"."""
+def _use_filter(q, r, k, precision) -> bool:
     forced = os.environ.get(_FILTER_ENV, "")
     if forced == "0" or precision is not None or jnp.float64 in (q.dtype, r.dtype):
-        return None
+        return False
     m, d = q.shape
     n = r.shape[0]
-    if m == 0 or d == 0 or _filter_list(k, n) is None:
-        return None
+    kp = _filter_list(k, n)
+    if m == 0 or d == 0 or kp is None:
+        return False
     if forced == "1":
-        return "always"
-    # Under vmap the proof's lax.switch would run the exact search as well, always.
-    if in_batched_trace() or m * n * d < _FILTER_MIN_WORK or d > _FILTER_MAX_D or 2 * _filter_list(k, n) > n:
-        return None
-    return "gpu"
+        return True
+    # The filter pays where the one-pass TF32 GEMM is several times faster than the float32
+    # one (GPU tensor cores); on the CPU both GEMMs cost the same. Under vmap the proof's
+    # lax.switch would run the exact search as well, always.
+    return (jax.default_backend() == "gpu" and not in_batched_trace() and 2 * kp <= n
+            and m * n * d >= _FILTER_MIN_WORK and d <= _FILTER_MAX_D)
 
 
-_TF32 = "tf32"  # _inner_products' marker for the filter's one-pass GEMM
+# _inner_products' markers for the filter's GEMM of TF32-valued operands: one-pass TF32 on the
+# tensor cores (GPUs), or float32 products (the CPU, for tests: the same products of such
+# operands, up to the accumulation). Chosen in Python, by the default backend: jax 0.5's
+# lax.platform_dependent lowers every branch, and the CPU rejects the TF32 preset.
+_TF32 = "tf32"
+_TF32_AS_F32 = "tf32-as-f32"
+
+
+def _tf32_products_marker() -> str:
+    return _TF32 if jax.default_backend() == "gpu" else _TF32_AS_F32
 
 
 def _round_tf32(x):
@@ -416,29 +428,13 @@ def _round_tf32(x):
                                     jnp.float32)
 
 
-def _tf32_products(q, rt):
-    """Products of TF32-valued operands: one-pass TF32 on GPUs; float32 on the CPU (tests),
-    where the products of such operands are the same up to the accumulation."""
-    dims = _product_dims(rt)
-
-    def exact(q, rt):
-        return lax.dot_general(q, rt, dims, precision=lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)
-
-    def tf32(q, rt):
-        return lax.dot_general(q, rt, dims, precision=lax.DotAlgorithmPreset.TF32_TF32_F32,
-                               preferred_element_type=jnp.float32)
-
-    return lax.platform_dependent(q, rt, cpu=exact, default=tf32)
-
-
-@partial(jax.jit, static_argnames=("k", "kp", "plan", "exact_plan"))
-def _filtered_search(q, r, *, k, kp, plan, exact_plan):
+@partial(jax.jit, static_argnames=("k", "kp", "plan", "exact_plan", "products"))
+def _filtered_search(q, r, *, k, kp, plan, exact_plan, products):
     q, r = _compute_dtype(q, r)
     m, n = q.shape[0], r.shape[0]
     qn = jnp.sum(q * q, axis=-1)
     rn = jnp.sum(r * r, axis=-1)
-    best, proved = _filter(q, r, qn, rn, k, kp, plan)
+    best, proved = _filter(q, r, qn, rn, k, kp, plan, products)
     failed = m - jnp.sum(proved.astype(jnp.int32))
     rows = _fallback_rows(m)
 
@@ -457,15 +453,15 @@ def _filtered_search(q, r, *, k, kp, plan, exact_plan):
     return lax.switch(choice, branches)
 
 
-def _filter(q, r, qn, rn, k, kp, plan):
+def _filter(q, r, qn, rn, k, kp, plan, products=None):
     """((sq_dists, indices) of the k best of each query's kp candidates, and per query whether
-    they are proved to be its exact k nearest)."""
+    they are proved to be its exact k nearest). products: a _TF32 marker (default: by backend)."""
     c = _filter_slack(q.shape[1])
     big = jnp.maximum(jnp.max(qn), jnp.max(rn))
     finite = jnp.isfinite(big) & (big < 2.0 ** 100)
     tau = jnp.where(finite, q.shape[1] * 2.0 ** -100 * (1 + jnp.sqrt(big)), 0).astype(jnp.float32)
     lower, cand = _search_tiles(_round_tf32(q), _round_tf32(r), (1 - c) * qn - tau,
-                                (1 - c) * rn, kp, plan, _TF32)
+                                (1 - c) * rn, kp, plan, products or _tf32_products_marker())
     cand = jnp.clip(cand, 0, r.shape[0] - 1)  # lists are full (kp < n); clip is insurance
     rn_c = jnp.take(rn, cand, axis=0)
     dist = _exact_distances(q, qn, r, rn_c, cand)
@@ -525,17 +521,11 @@ def _search_all(q, r, k, precision):
     m, n = q.shape[0], r.shape[0]
     exact = partial(_search, k=k, plan=_plan(m, n, k, k <= _MAX_KERNEL_K),
                     precision=lax.Precision.HIGHEST if precision is None else precision)
-    mode = _filter_mode(q, r, k, precision)
-    if mode is None:
+    if not _use_filter(q, r, k, precision):
         return exact(q, r)
     kp = _filter_list(k, n)
-    filtered = partial(_filtered_search, k=k, kp=kp, plan=_plan(m, n, kp, True),
-                       exact_plan=exact.keywords["plan"])
-    if mode == "always":
-        return filtered(q, r)
-    # The filter pays where the one-pass TF32 GEMM is several times faster than the float32
-    # one (GPU tensor cores); on the CPU both GEMMs cost the same.
-    return lax.platform_dependent(q, r, cpu=exact, default=filtered)
+    return _filtered_search(q, r, k=k, kp=kp, plan=_plan(m, n, kp, True),
+                            exact_plan=exact.keywords["plan"], products=_tf32_products_marker())
 
 
 def _local_top_k(q, r, k, names, extra, *values):

@@ -547,28 +547,33 @@ def test_filter_exact_ties_and_vmap(key, monkeypatch):
 
 
 def test_filter_default_sizes(monkeypatch):
-    """The filter is the default only where it pays: big problems, k leaving a slack list of
-    at most 2048 below n / 2, float32/16-bit inputs, no explicit precision."""
+    """The filter is the default only where it pays: GPUs, big problems, k leaving a slack list
+    of at most 2048 below n / 2, float32/16-bit inputs, no explicit precision, not under vmap."""
     monkeypatch.delenv("JAXOPS_KNN_FILTER", raising=False)
     q, r = jnp.ones((1200, 256), jnp.float32), jnp.ones((32768, 256), jnp.float32)
-    assert knn_module._filter_mode(q, r, 25, None) == "gpu"
-    assert knn_module._filter_list(25, 32768) == 64 and knn_module._filter_list(256, 10**6) == 512
-    assert knn_module._filter_list(1700, 10**6) is None  # 2125 candidates: exact search
-    assert knn_module._filter_mode(q, r, 25, jax.lax.Precision.HIGHEST) is None
-    assert knn_module._filter_mode(q[:10], r[:100], 5, None) is None  # too small to pay
-    assert knn_module._filter_mode(q.astype(jnp.float64), r, 25, None) is None
-    modes, mode_of = [], knn_module._filter_mode
+    assert knn_module._use_filter(q, r, 25, None) == (jax.default_backend() == "gpu")
+    batched, use_filter = [], knn_module._use_filter
 
     def spy(*args):
-        modes.append(mode_of(*args))
-        return modes[-1]
+        batched.append(knn_module.in_batched_trace())
+        return use_filter(*args)
 
-    monkeypatch.setattr(knn_module, "_filter_mode", spy)
+    monkeypatch.setattr(knn_module, "_use_filter", spy)
     jax.eval_shape(lambda q, r: jaxops.knn(q, r, 25), q, r)
-    assert modes and set(modes) == {"gpu"}
-    modes.clear()  # under vmap the exact search: the proof's switch would run it anyway
+    assert batched and not any(batched)
+    batched.clear()  # under vmap the exact search: the proof's switch would run it anyway
     jax.eval_shape(jax.vmap(lambda q, r: jaxops.knn(q, r, 25)), q[None], r[None])
-    assert modes[-1] is None  # the batched trace (custom_vmap first traces the plain function)
+    assert batched[-1]  # the batched trace (custom_vmap first traces the plain function)
+    monkeypatch.setattr(knn_module, "_use_filter", use_filter)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the rules below, on any machine
+    assert knn_module._use_filter(q, r, 25, None)
+    assert knn_module._filter_list(25, 32768) == 64 and knn_module._filter_list(256, 10**6) == 512
+    assert knn_module._filter_list(1700, 10**6) is None  # 2125 candidates: exact search
+    assert not knn_module._use_filter(q, r, 25, jax.lax.Precision.HIGHEST)
+    assert not knn_module._use_filter(q[:10], r[:100], 5, None)  # too small to pay
+    assert not knn_module._use_filter(q.astype(jnp.float64), r, 25, None)
+    monkeypatch.setattr(knn_module, "in_batched_trace", lambda: True)
+    assert not knn_module._use_filter(q, r, 25, None)
 
 
 @gpu_only
