@@ -387,7 +387,7 @@ def _filter_list(k: int, n: int):
 
 
 def _fallback_rows(m: int) -> int:
-    """Queries the filter may fail and still be re-searched one by one (not all m)."""
+    """How many unproved queries are searched again on their own; past that, all m are."""
     return min(m, max(64, m // 128))
 
 
