@@ -254,34 +254,31 @@ def _search_tiles(q, r, qn, rn, k, plan, precision):
             best_d, best_i = best_d[0], best_i[0]
         return best_d, best_i
 
-    if tm >= m:
-        return one_query_tile(q, qn)
-    mt = -(-m // tm)
-    pad = mt * tm - m
-    qp = jnp.pad(q, ((0, pad), (0, 0))).reshape(mt, tm, d)
-    qnp = jnp.pad(qn, (0, pad)).reshape(mt, tm)
-    best_d, best_i = lax.map(lambda a: one_query_tile(*a), (qp, qnp))
-    return best_d.reshape(mt * tm, k)[:m], best_i.reshape(mt * tm, k)[:m]
+    return _map_row_chunks(one_query_tile, tm, q, qn)
 
 
-def _product_dims(rt):
-    """dot_general dimensions of q (rows, d) against one split (tn, d) or all (splits, tn, d)."""
-    if rt.ndim == 2:
-        return ((1,), (1,)), ((), ())
-    return ((2,), (2,)), ((0,), (0,))
+def _map_row_chunks(fn, per, *xs):
+    """fn(*xs) computed over chunks of `per` rows (lax.map; the last chunk zero-padded), its
+    results' rows put back together: bounds the working set of row-independent work."""
+    m = xs[0].shape[0]
+    if per >= m:
+        return fn(*xs)
+    chunks = -(-m // per)
+    pad = chunks * per - m
+    split = lambda x: jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(  # noqa: E731
+        (chunks, per) + x.shape[1:])
+    out = lax.map(lambda a: fn(*a), tuple(split(x) for x in xs))
+    return jax.tree.map(lambda o: o.reshape((chunks * per,) + o.shape[2:])[:m], out)
 
 
 def _inner_products(q, rt, precision):
     """(splits, rows, tn) = q . rt^T for every split, in the compute dtype."""
-    if rt.ndim == 3 and rt.shape[0] == 1:
-        return _inner_products(q, rt[0], precision)[None]
-    if rt.ndim == 3:
-        q = jnp.broadcast_to(q, (rt.shape[0],) + q.shape)
-    if precision == _TF32:
-        precision = lax.DotAlgorithmPreset.TF32_TF32_F32
-    elif precision == _TF32_AS_F32:
-        precision = lax.Precision.HIGHEST
-    return lax.dot_general(q, rt, _product_dims(rt), precision=precision,
+    if rt.shape[0] == 1:
+        ip = lax.dot_general(q, rt[0], (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=q.dtype)
+        return ip[None]
+    qb = jnp.broadcast_to(q, (rt.shape[0],) + q.shape)
+    return lax.dot_general(qb, rt, (((2,), (2,)), ((0,), (0,))), precision=precision,
                            preferred_element_type=q.dtype)
 
 
@@ -409,16 +406,14 @@ def _use_filter(q, r, k, precision) -> bool:
             and m * n * d >= _FILTER_MIN_WORK and d <= _FILTER_MAX_D)
 
 
-# _inner_products' markers for the filter's GEMM of TF32-valued operands: one-pass TF32 on the
-# tensor cores (GPUs), or float32 products (the CPU, for tests: the same products of such
-# operands, up to the accumulation). Chosen in Python, by the default backend: jax 0.5's
-# lax.platform_dependent lowers every branch, and the CPU rejects the TF32 preset.
-_TF32 = "tf32"
-_TF32_AS_F32 = "tf32-as-f32"
-
-
-def _tf32_products_marker() -> str:
-    return _TF32 if jax.default_backend() == "gpu" else _TF32_AS_F32
+def _filter_precision():
+    """The filter's GEMM of TF32-valued operands: one-pass TF32 on the tensor cores (GPUs), or
+    float32 products on the CPU (tests: the same products of such operands, up to the
+    accumulation). Chosen in Python by the default backend, not by lax.platform_dependent:
+    jax 0.5 lowers every branch of that, and its CPU rejects the TF32 preset."""
+    if jax.default_backend() == "gpu":
+        return lax.DotAlgorithmPreset.TF32_TF32_F32
+    return lax.Precision.HIGHEST
 
 
 def _round_tf32(x):
@@ -428,13 +423,13 @@ def _round_tf32(x):
                                     jnp.float32)
 
 
-@partial(jax.jit, static_argnames=("k", "kp", "plan", "exact_plan", "products"))
-def _filtered_search(q, r, *, k, kp, plan, exact_plan, products):
+@partial(jax.jit, static_argnames=("k", "kp", "plan", "exact_plan"))
+def _filtered_search(q, r, *, k, kp, plan, exact_plan):
     q, r = _compute_dtype(q, r)
     m, n = q.shape[0], r.shape[0]
     qn = jnp.sum(q * q, axis=-1)
     rn = jnp.sum(r * r, axis=-1)
-    best, proved = _filter(q, r, qn, rn, k, kp, plan, products)
+    best, proved = _filter(q, r, qn, rn, k, kp, plan)
     failed = m - jnp.sum(proved.astype(jnp.int32))
     rows = _fallback_rows(m)
 
@@ -453,15 +448,15 @@ def _filtered_search(q, r, *, k, kp, plan, exact_plan, products):
     return lax.switch(choice, branches)
 
 
-def _filter(q, r, qn, rn, k, kp, plan, products=None):
+def _filter(q, r, qn, rn, k, kp, plan):
     """((sq_dists, indices) of the k best of each query's kp candidates, and per query whether
-    they are proved to be its exact k nearest). products: a _TF32 marker (default: by backend)."""
+    they are proved to be its exact k nearest)."""
     c = _filter_slack(q.shape[1])
     big = jnp.maximum(jnp.max(qn), jnp.max(rn))
     finite = jnp.isfinite(big) & (big < 2.0 ** 100)
     tau = jnp.where(finite, q.shape[1] * 2.0 ** -100 * (1 + jnp.sqrt(big)), 0).astype(jnp.float32)
     lower, cand = _search_tiles(_round_tf32(q), _round_tf32(r), (1 - c) * qn - tau,
-                                (1 - c) * rn, kp, plan, products or _tf32_products_marker())
+                                (1 - c) * rn, kp, plan, _filter_precision())
     cand = jnp.clip(cand, 0, r.shape[0] - 1)  # lists are full (kp < n); clip is insurance
     rn_c = jnp.take(rn, cand, axis=0)
     dist = _exact_distances(q, qn, r, rn_c, cand)
@@ -481,16 +476,8 @@ def _exact_distances(q, qn, r, rn_c, cand):
         ip = jnp.sum(q[:, None, :] * jnp.take(r, cand, axis=0), axis=-1)
         return (qn[:, None] + rn_c) - 2 * ip
 
-    m, kp = cand.shape
-    per = max(1, _RERANK_ELEMS // (kp * max(q.shape[1], 1)))
-    if per >= m:
-        return rows(q, qn, rn_c, cand)
-    chunks = -(-m // per)
-    pad = chunks * per - m
-    split = lambda x: jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(  # noqa: E731
-        (chunks, per) + x.shape[1:])
-    out = lax.map(lambda a: rows(*a), (split(q), split(qn), split(rn_c), split(cand)))
-    return out.reshape(chunks * per, kp)[:m]
+    per = max(1, _RERANK_ELEMS // (cand.shape[1] * max(q.shape[1], 1)))
+    return _map_row_chunks(rows, per, q, qn, rn_c, cand)
 
 
 # --------------------------------------------------------------------------- many devices
@@ -519,13 +506,11 @@ def _classify_jvp(num_classes, k, precision, primals, tangents):
 def _search_all(q, r, k, precision):
     """The search of every reference held here (all of them on one device)."""
     m, n = q.shape[0], r.shape[0]
-    exact = partial(_search, k=k, plan=_plan(m, n, k, k <= _MAX_KERNEL_K),
-                    precision=lax.Precision.HIGHEST if precision is None else precision)
+    plan = _plan(m, n, k, k <= _MAX_KERNEL_K)
     if not _use_filter(q, r, k, precision):
-        return exact(q, r)
+        return _search(q, r, k, plan, lax.Precision.HIGHEST if precision is None else precision)
     kp = _filter_list(k, n)
-    return _filtered_search(q, r, k=k, kp=kp, plan=_plan(m, n, kp, True),
-                            exact_plan=exact.keywords["plan"], products=_tf32_products_marker())
+    return _filtered_search(q, r, k=k, kp=kp, plan=_plan(m, n, kp, True), exact_plan=plan)
 
 
 def _local_top_k(q, r, k, names, extra, *values):

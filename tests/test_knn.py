@@ -464,14 +464,14 @@ def test_gpu_first_tile_orders(key, order, k):
 
 
 def _filter_flag(q, r, k):
-    """(k best of the filter's candidates, whether the filter proved them exact)."""
+    """(k best of the filter's candidates, per query whether the filter proved them exact)."""
     q, r = knn_module._compute_dtype(jnp.asarray(q), jnp.asarray(r))
     kp = knn_module._filter_list(k, r.shape[0])
     plan = knn_module._plan(q.shape[0], r.shape[0], kp, True)
     f = jax.jit(lambda q, r: knn_module._filter(q, r, jnp.sum(q * q, -1), jnp.sum(r * r, -1),
                                                 k, kp, plan))
     (dists, idx), proved = f(q, r)
-    return dists, idx, bool(proved.all())
+    return dists, idx, np.asarray(proved)
 
 
 @pytest.mark.parametrize("m,n,d,k", [(50, 3000, 32, 10), (7, 600, 5, 1), (40, 2000, 64, 100),
@@ -480,8 +480,8 @@ def test_filter_matches_reference(key, monkeypatch, m, n, d, k):
     """Random data: the filter proves its candidates exact, and the result is the exact one."""
     monkeypatch.setenv("JAXOPS_KNN_FILTER", "1")
     q, r = data(key, m, n, d)
-    dists, idx, ok = _filter_flag(q, r, k)
-    assert ok
+    dists, idx, proved = _filter_flag(q, r, k)
+    assert proved.all()
     check_knn(q, r, k, dists, idx)
     full_d, full_i = jaxops.knn(q, r, k)
     check_knn(q, r, k, full_d, full_i)
@@ -497,7 +497,7 @@ def test_filter_falls_back_when_it_cannot_prove(key, monkeypatch):
     q, r = data(key, 60, 3000, 32)
     for qq, rr in [(q + 100, r + 100), (q.at[3, 1].set(jnp.nan), r),
                    (q, r.at[7, 0].set(jnp.inf)), (q * 1e15, r * 1e15)]:
-        assert not _filter_flag(qq, rr, 20)[2]
+        assert not _filter_flag(qq, rr, 20)[2].all()
         dists, idx = jaxops.knn(qq, rr, 20)
         check_knn(qq, rr, 20, dists, idx)
 
@@ -511,10 +511,8 @@ def test_filter_researches_the_queries_it_cannot_prove(key, monkeypatch):
     q, r = data(key, 100, 3000, 16)
     r = r.at[1000:1100].set(r[5] + 6)
     q = q.at[jnp.array([7, 42])].set(r[5] + 6.001)
-    proved = jax.jit(lambda q, r: knn_module._filter(
-        q, r, jnp.sum(q * q, -1), jnp.sum(r * r, -1), 10, 32,
-        knn_module._plan(100, 3000, 32, True))[1])(q, r)
-    np.testing.assert_array_equal(np.where(~np.asarray(proved))[0], [7, 42])
+    assert knn_module._filter_list(10, 3000) == 32
+    np.testing.assert_array_equal(np.where(~_filter_flag(q, r, 10)[2])[0], [7, 42])
     assert knn_module._fallback_rows(100) < 100  # the re-search branch, not the whole search
     dists, idx = jaxops.knn(q, r, 10)
     check_knn(q, r, 10, dists, idx)
@@ -529,8 +527,8 @@ def test_filter_margin_is_what_makes_it_exact(key, monkeypatch):
     kq, kr = jax.random.split(key)
     q = jax.random.normal(kq, (60, 32), jnp.float32) + 40
     r = jax.random.normal(kr, (3000, 32), jnp.float32) + 40
-    dists, idx, ok = _filter_flag(q, r, 20)
-    assert ok
+    dists, idx, proved = _filter_flag(q, r, 20)
+    assert proved.all()
     with pytest.raises(AssertionError):
         check_knn(q, r, 20, dists, idx)
 
@@ -604,7 +602,7 @@ def test_gpu_filter_matches_reference(key, monkeypatch, m, n, d, k):
     reference (split lists for few queries, k = 1000, odd n and d)."""
     monkeypatch.setenv("JAXOPS_KNN_FILTER", "1")
     q, r = data(key, m, n, d)
-    dists, idx, ok = _filter_flag(q, r, k)
-    assert ok
+    dists, idx, proved = _filter_flag(q, r, k)
+    assert proved.all()
     rows = np.unique(np.array([0, 1, m // 2, m - 1]))
     check_knn(q[rows], r, k, np.asarray(dists)[rows], np.asarray(idx)[rows])
