@@ -84,10 +84,15 @@ struct LogSumExpOp {
     st.s = up ? st.s * e + A(1) : st.s + term;
     st.m = (up || is_nan(x)) ? x : st.m;
   }
+  // The larger max's sum needs no rescale (its exp(0) is 1 exactly), so a merge takes one exp,
+  // not two: the GPU's block and warp merges are per-row overhead on short rows. Equal maxes add
+  // b.s + a.s, which IEEE addition makes the same bits as a.s + b.s: merge stays commutative.
   static JAXOPS_HD State merge(const State& a, const State& b) {
-    const A m = (is_nan(a.m) || a.m > b.m) ? a.m : b.m;
+    const bool a_wins = is_nan(a.m) || a.m > b.m;
+    const A m = a_wins ? a.m : b.m;
     if (is_nan(m) || m == inf_of<A>() || m == -inf_of<A>()) return {m, A(0)};
-    return {m, a.s * exp_acc(a.m - m) + b.s * exp_acc(b.m - m)};
+    const State& lo = a_wins ? b : a;
+    return {m, (a_wins ? a.s : b.s) + lo.s * exp_acc(lo.m - m)};
   }
   static JAXOPS_HD A finish(const State& st, int64_t) {
     if (is_nan(st.m) || st.m == inf_of<A>() || st.m == -inf_of<A>()) return st.m;

@@ -112,6 +112,18 @@ bool launch_lean_backward(const T* y, const T* dy, const bool* mask, T* dx, int6
                                                            err);
 }
 
+// Whole-pack rows the backward warp kernel takes. float32 rows past 512 columns (8 packs of y and
+// dy a lane, ~100 registers) go to the cached kernel, as the float32 window rows already did: the
+// H200 measured it faster there (session 35 runs 2-3, µs warp / cached: 65536x1024 softmax 221.8 /
+// 199.8, log_softmax 227.7 / 199.0; 87381x768 240.9 / 197.3), and slower at 512 (131072x512
+// 191.9 / 231.7). 16-bit rows keep the warp kernel up to kWarpMaxCols (bf16 65536x1024 115.0 /
+// 129.6, and 101.9 since the register cap, softmax_warp.cuh), as do rows of single elements
+// (P = 1; not measured).
+template <class T, int P>
+constexpr int64_t backward_warp_pack_limit() {
+  return sizeof(T) == 4 && P == 4 ? 512 : kWarpMaxCols;
+}
+
 template <class T, int P>
 cudaError_t forward_packed(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols, bool log,
                            cudaStream_t stream, const DeviceInfo& dev) {
@@ -142,9 +154,14 @@ cudaError_t forward_packed(const T* x, const bool* mask, T* y, int64_t rows, int
 template <class T, int P>
 cudaError_t backward_packed(const T* y, const T* dy, const bool* mask, T* dx, int64_t rows, int64_t cols,
                             bool log, cudaStream_t stream, const DeviceInfo& dev) {
-  if (cols <= kWarpMaxCols) {
+  if (cols <= backward_warp_pack_limit<T, P>()) {
     return with_warp_shape<P, 1>(cols, [&](auto w, auto k) {
       constexpr int W = decltype(w)::value, K = decltype(k)::value;
+      if constexpr (kWarpBackwardCapped<T, P, K, false, false>) {
+        if (mask == nullptr)
+          return cuda::launch_kernel(backward_warp<T, P, W, K, false, false>, warp_grid(rows, W, dev),
+                                     kWarpBlockThreads, 0, stream, y, dy, mask, dx, rows, cols, log);
+      }
       return cuda::launch_kernel(backward_warp<T, P, W, K>, warp_grid(rows, W, dev), kWarpBlockThreads, 0, stream, y,
           dy, mask, dx, rows, cols, log);
     });

@@ -111,11 +111,34 @@ forward_warp(const T* __restrict__ x, const bool* __restrict__ mask, T* __restri
   }
 }
 
-template <class T, int P, int W, int K, bool kWindow = false>
-__global__ void __launch_bounds__(kWarpBlockThreads)
+// Element p of a pack as its accumulator value, for a value converted once already. bf16: the
+// byte-permute form of the conversion (unpack shifts and masks), so the compiler does not keep the
+// first conversion's float registers alive until this use instead of the pack's.
+template <class T, int P>
+__device__ __forceinline__ acc_t<T> reconvert(const Pack<T, P>& pk, int p) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && P % 2 == 0) {
+    uint32_t w[P / 2];
+    memcpy(w, &pk, sizeof(w));
+    return __uint_as_float(__byte_perm(w[p / 2], 0u, p % 2 == 0 ? 0x1044u : 0x3244u));
+  } else {
+    return to_acc(pk.v[p]);
+  }
+}
+
+// The backward's unmasked 16-bit rows of 32 values a lane (1024 columns) are held to 72 registers,
+// 7 blocks an SM. Unbounded and maskable they took 96 (5 blocks an SM) and read at 0.82 of the
+// 3-pass bound on the H200, where 16 values a lane (60 registers) reach 0.95; capped, 0.93
+// (session 35 run 3, bf16 65536x1024: softmax 115.0 -> 101.9 µs, log_softmax 117.4 -> 97.6).
+// The mask's flags and bits cost 16 registers: only the kernel without them fits 72 unspilled.
+template <class T, int P, int K, bool kWindow, bool kMaskable>
+constexpr bool kWarpBackwardCapped = sizeof(T) == 2 && P == 8 && K == 4 && !kWindow && !kMaskable;
+
+template <class T, int P, int W, int K, bool kWindow = false, bool kMaskable = true>
+__global__ void __launch_bounds__(kWarpBlockThreads, (kWarpBackwardCapped<T, P, K, kWindow, kMaskable> ? 7 : 1))
 backward_warp(const T* __restrict__ y, const T* __restrict__ dy, const bool* __restrict__ mask,
               T* __restrict__ dx, int64_t rows, int64_t cols, bool log) {
   cuda::enter_kernel();
+  if constexpr (!kMaskable) mask = nullptr;
   using A = acc_t<T>;
   constexpr int N = K * P;
   static_assert(N <= 32, "masked bits live in one word");
@@ -129,7 +152,9 @@ backward_warp(const T* __restrict__ y, const T* __restrict__ dy, const bool* __r
     const int64_t row = base + (threadIdx.x % 32) / W;
     const bool active = row < rows;
     [[maybe_unused]] const RowWindow<P> w(row, cols);
-    A yv[N], gv[N];
+    // The loaded packs stay in registers as they came (16-bit: half the registers of their
+    // float values), converted again for the output.
+    Pack<T, P> py[K], pg[K];
     uint32_t masked = 0;
     A s = 0;
 #pragma unroll
@@ -137,29 +162,27 @@ backward_warp(const T* __restrict__ y, const T* __restrict__ dy, const bool* __r
       const int j = k * W + lane;
       if (active && (kWindow ? j < w.packs : j * P < cols)) {
         const int64_t g = kWindow ? w.base + j * P : row * cols + j * P;
-        Pack<T, P> py, pg;
         Pack<bool, P> mk;
         if constexpr (kWindow) {
           // Other rows' y and dy read as 0: their products add nothing (NaN there would).
-          py = load_window_pack<T, P>(y, g, total, zero);
-          pg = load_window_pack<T, P>(dy, g, total, zero);
-          fill_outside<T, P>(py, w, j, zero);
-          fill_outside<T, P>(pg, w, j, zero);
+          py[k] = load_window_pack<T, P>(y, g, total, zero);
+          pg[k] = load_window_pack<T, P>(dy, g, total, zero);
+          fill_outside<T, P>(py[k], w, j, zero);
+          fill_outside<T, P>(pg[k], w, j, zero);
           if (mask) mk = load_window_pack<bool, P>(mask, g, total, true);
         } else {
-          py = load_pack<T, P>(y + g);
-          pg = load_pack<T, P>(dy + g);
+          py[k] = load_pack<T, P>(y + g);
+          pg[k] = load_pack<T, P>(dy + g);
           if (mask) mk = load_pack<bool, P>(mask + g);
         }
 #pragma unroll
         for (int p = 0; p < P; ++p) {
-          A yy = to_acc(py.v[p]), g = to_acc(pg.v[p]);
+          const A yy = to_acc(py[k].v[p]);
+          A g = to_acc(pg[k].v[p]);
           if (mask && !mk.v[p]) {
             g = 0;
             masked |= 1u << (k * P + p);
           }
-          yv[k * P + p] = yy;
-          gv[k * P + p] = g;
           s += log ? g : yy * g;
         }
       }
@@ -172,7 +195,7 @@ backward_warp(const T* __restrict__ y, const T* __restrict__ dy, const bool* __r
         Pack<T, P> out;
 #pragma unroll
         for (int p = 0; p < P; ++p) {
-          const A yy = yv[k * P + p], g = gv[k * P + p];
+          const A yy = reconvert<T, P>(py[k], p), g = reconvert<T, P>(pg[k], p);
           A r = log ? g - fast_exp(yy) * s : yy * (g - s);
           if ((masked >> (k * P + p)) & 1u) r = 0;
           out.v[p] = from_acc<T>(r);
