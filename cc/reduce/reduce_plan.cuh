@@ -103,8 +103,15 @@ constexpr int max_row_block_threads() {
 // logsumexp 96.5 -> 91.4. 16384x4096 float32 (a warp -> a block of 128): sum 85.6 -> 85.3, max
 // 86.0 -> 85.5, argmax 88.5 -> 88.0 (XLA 85.6), on the hosts of runs 2-4 87.8 -> 86.1, 88.2 ->
 // 86.2, 90.9 -> 88.2 (XLA 85.5 / 85.5 / 86.3).
+// 16-bit logsumexp takes 16 packs (two rounds of its 8-pack loop): its per-row cost (the merges of
+// a warp's and a block's threads, an exp each; ncu: ~13 instructions an element at 8 packs, 0.62
+// issues a cycle, DRAM 66 %) fell on half as many elements a thread. H200, session 35 runs 4 and
+// 6, µs: 65536x1024 41.3 -> 36.8 (8 instead of 16 lanes a row), 16384x4096 40.4 -> 37.6 (a warp a
+// row instead of a block of 64), 8192x8192 39.4 -> 36.7, 4096x16384 41.7 -> 36.1, 64x2^20 42.7 ->
+// 39.6; 1024x65536 and the full reduction unchanged (37.4, 40.4).
 template <class Op, class T, int P>
 constexpr int row_packs_per_thread() {
+  if constexpr (lse16_path<Op, T, P>()) return 16;
   return sizeof(T) == 4 && !Op::kIndex && sizeof(typename Op::State) == 8 ? 32 : unroll_for<Op, T, P>();
 }
 
