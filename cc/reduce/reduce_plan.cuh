@@ -94,8 +94,8 @@ constexpr int max_row_block_threads() {
 
 // Packs a thread takes from one row (or chunk of a split row) of 16-byte packs: the unroll, so a
 // row is read in one round of loads (a 4096-long float32 row by 128 threads, 8192 bf16 by 128),
-// except float32 logsumexp, whose 4-pack loop and expf-heavy block merge want fewer, longer
-// threads. Until session 16 every block row had 256 threads and rows up to 4096 elements a warp:
+// except logsumexp (float32 32 packs, 16-bit 16: see below), whose exp-taking merges want fewer,
+// longer threads. Until session 16 every block row had 256 threads and rows up to 4096 elements a warp:
 // bf16 rows of 4097-16383 elements then left each thread fewer packs than the unroll, all in the
 // one-pack-at-a-time tail. H100, session 16 run 5, µs, same-run A/B: 8192x8192 bf16 (256 -> 128
 // threads) sum 49.6 -> 43.9, max 48.0 -> 44.0, logsumexp 91.0 -> 45.8, argmax 88.3 -> 45.9 (XLA
@@ -116,7 +116,7 @@ constexpr int row_packs_per_thread() {
 }
 
 // Packs a lane of row_warp_kernel takes (the group of lanes a row gets follows from it): the
-// unroll, except float32 logsumexp, which takes row_packs_per_thread there too. Its group merge is
+// unroll, except logsumexp, which takes row_packs_per_thread there too. Its group merge is
 // log2(group) shuffles with an expf each, a per-row cost that 1024-long rows in groups of 32
 // lanes of 8 packs paid on every 1024 elements (65536x1024: 0.906 of copy, where a warp of 32
 // packs a lane on 4096-long rows reads at 0.972). Session 18, H100: 65536x1024 99.4 -> 92.0 us,
@@ -177,7 +177,8 @@ int row_block_threads(int64_t chunk) {
 // row_block_threads, with two caps that depend on the launch, not only the chunk.
 // - Unsplit rows of 16-bit logsumexp, argmax and argmin (16-byte packs): these kernels hold 80
 //   registers, so 3 blocks of 256 fit an SM and 396 an H100. Between one and two such waves of rows
-//   (397-792, rows of >= 2048 elements), blocks of 128 (6 an SM) make every row resident at once
+//   (397-792, rows the warp kernel does not take: logsumexp's > 4096 elements since session 35,
+//   argmax's > 2048), blocks of 128 (6 an SM) make every row resident at once
 //   instead of leaving a second, mostly empty wave. H100, session 22 runs 9-10, µs, 256 -> 128
 //   threads: logsumexp 512x131072 52.6 -> 47.5, 640x104857 50.6 -> 49.5, 768x87381 50.2 -> 49.7,
 //   512x50257 25.5 -> 22.3; argmax 50.5 -> 46.3, 52.1 -> 48.1, 51.2 -> 48.8, 22.7 -> 21.2;
