@@ -197,7 +197,9 @@ def _splits(outer: int, n: int, inner: int, itemsize: int, fn: str = "sum") -> i
     -> 46.5, logsumexp 51.6 -> 50.5). 16-bit arg ops joined in session 21 (run 8, same build,
     bf16 argmax µs: 64x2^20 49.2 -> 47.6, 64x1048575 52.9 -> 48.4, 16x2^22 48.9 -> 47.5,
     2x2^25 49.2 -> 48.0; argmin and f16 alike): ~1024 chunks of 65536 through the cp.async ring
-    had left the SMs fewer, longer blocks. 16-bit logsumexp takes chunks of 4096 (blocks of 64
+    had left the SMs fewer, longer blocks; since session 36 their 16384-element chunks take 64
+    threads of 32 packs (cc/reduce/reduce_plan.cuh; H200, bf16 argmax 64x2^20 43.3 -> 36.7 µs).
+    16-bit logsumexp takes chunks of 4096 (blocks of 64
     threads, one round each, as its 16384x4096 rows; ~16384 blocks), at most 2048 a row, since
     one block merges a row's partials (run 8, µs: 64x2^20 51.0 -> 49.5, 64x1048575 53.6 -> 51.6,
     256x262144 50.8 -> 49.9, 16x2^22 50.5 -> 49.7; 2x2^25 with 8192 chunks a row 50.5 -> 54.4,

@@ -443,15 +443,16 @@ def test_packed_arg_segments(shape, axis, key):
 
 
 @gpu_only
-@pytest.mark.parametrize("shape,axis", [((512, 32776), 1), ((8, 1 << 22), 1), (((1 << 25) + 2056,), 0),
-                                        ((1001, 4096), 1)])
+@pytest.mark.parametrize("shape,axis", [((256, 65544), 1), ((8, 1 << 22), 1), (((1 << 26) + 2056,), 0),
+                                        ((1001, 4096), 1), ((512, 32776), 1)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_gpu_packed_arg_ring(shape, axis, dtype, key):
-    """Rows whose threads get >= 16 packs take the shared-memory ring of the packed arg loop
-    (cc/reduce: arg16_stream_ring): block rows with a partial last batch (16-17 packs a thread),
-    split rows (16), a full reduction whose last split is shorter; 4096-long rows (blocks of 64
-    threads, 8 packs each) take the register loop beside them. NaN, +-inf, signed zeros and ties
-    against numpy, then plain rounded normals (ties only)."""
+    """Blocks of 256 threads with >= 16 packs a thread take the shared-memory ring of the packed
+    arg loop (cc/reduce: arg16_stream_ring; chunks of >= 65536 elements at 32 packs a thread):
+    block rows with a partial last batch (32-33 packs a thread), a full reduction whose last
+    split is shorter. Beside them the register loop: split rows (64 threads), 4096-long rows (16
+    lanes of a warp, 32 packs each) and 32776-long ones (128 threads). NaN, +-inf, signed zeros
+    and ties against numpy, then plain rounded normals (ties only)."""
     rng = _rng(key)
     plain = np.round(2 * rng.standard_normal(shape))
     for x in (_specials_for_half(rng, shape, axis), plain):

@@ -109,9 +109,17 @@ constexpr int max_row_block_threads() {
 // 6, µs: 65536x1024 41.3 -> 36.8 (8 instead of 16 lanes a row), 16384x4096 40.4 -> 37.6 (a warp a
 // row instead of a block of 64), 8192x8192 39.4 -> 36.7, 4096x16384 41.7 -> 36.1, 64x2^20 42.7 ->
 // 39.6; 1024x65536 and the full reduction unchanged (37.4, 40.4).
+// 16-bit argmax/argmin take 32 packs (four rounds of their 8-pack loop), for the same reason:
+// a block's or a group's merge and its barriers are a per-row cost. H200, session 36 run 1,
+// same-run A/B of 8 / 16 / 32 packs a thread, bf16 argmax µs: 32768x2048 40.9 / 39.6 / 36.2,
+// 65536x1024 40.2 / 39.8 / 37.7, 16384x4096 40.2 / 39.5 / 36.7, 8192x8192 39.5 / 35.9 / 36.1,
+// 4096x16384 39.9 / 35.3 / 34.5, 64x2^20 43.3 / 38.6 / 36.7, 16384x4095 41.9 / 40.5 / 37.1;
+// 1024x65536 and the full reduction equal (34.3, 36.3). Rows under 1024 elements keep 8 a lane
+// (lane_packs_for).
 template <class Op, class T, int P>
 constexpr int row_packs_per_thread() {
   if constexpr (lse16_path<Op, T, P>()) return 16;
+  if constexpr (arg16_types<Op, T, P>()) return 32;
   return sizeof(T) == 4 && !Op::kIndex && sizeof(typename Op::State) == 8 ? 32 : unroll_for<Op, T, P>();
 }
 
@@ -142,9 +150,20 @@ template <class Op, class T, int P>
 constexpr bool warp_rows_one_round() {
   return Op::kIndex ? arg16_types<Op, T, P>() : sizeof(typename Op::State) == 4;
 }
+// 16-bit arg rows of fewer than 128 packs (1024 elements) keep the unroll a lane: at 512
+// elements 2 lanes of 32 packs took 41.9 µs where 8 lanes of 8 took 40.2 and 4 of 16 40.0 (H200,
+// session 36 run 1, bf16 argmax 131072x512), while 1024-element rows gained (4 lanes of 32).
+constexpr int64_t kArg16LongWarpRow = 128;
+template <class Op, class T, int P>
+constexpr int64_t lane_packs_for(int64_t packs) {
+  if constexpr (arg16_types<Op, T, P>()) {
+    if (packs < kArg16LongWarpRow) return unroll_for<Op, T, P>();
+  }
+  return warp_lane_packs<Op, T, P>();
+}
 template <class Op, class T, int P>
 int warp_row_group(int64_t packs) {
-  constexpr int64_t per_lane = warp_lane_packs<Op, T, P>();
+  const int64_t per_lane = lane_packs_for<Op, T, P>(packs);
   int group = 32;
   if constexpr (warp_rows_one_round<Op, T, P>()) {
     while (group > kMinRowLanes && group / 2 * per_lane >= packs) group /= 2;
@@ -178,7 +197,7 @@ int row_block_threads(int64_t chunk) {
 // - Unsplit rows of 16-bit logsumexp, argmax and argmin (16-byte packs): these kernels hold 80
 //   registers, so 3 blocks of 256 fit an SM and 396 an H100. Between one and two such waves of rows
 //   (397-792, rows the warp kernel does not take: logsumexp's > 4096 elements since session 35,
-//   argmax's > 2048), blocks of 128 (6 an SM) make every row resident at once
+//   argmax's > 8192 since session 36), blocks of 128 (6 an SM) make every row resident at once
 //   instead of leaving a second, mostly empty wave. H100, session 22 runs 9-10, µs, 256 -> 128
 //   threads: logsumexp 512x131072 52.6 -> 47.5, 640x104857 50.6 -> 49.5, 768x87381 50.2 -> 49.7,
 //   512x50257 25.5 -> 22.3; argmax 50.5 -> 46.3, 52.1 -> 48.1, 51.2 -> 48.8, 22.7 -> 21.2;
