@@ -295,8 +295,8 @@ def test_cached_forward_refill_across_rows(dtype, rows, cols, masked, key):
     budget (1028-8192 columns) run the unmaskable kernel with one block per row (a grid of
     thousands of blocks; odd packs a thread at 1028 columns); longer rows its persistent grid,
     each block or cluster requesting its next row while writing the current one (several rows a
-    cluster), with slices of up to 64 KB: float32 12292 columns one block caching 48 KB, 32772 /
-    131076 columns clusters (short last slices). float64 unmasked rows take the maskable kernel's
+    cluster), with slices of up to 32 KB: float32 12292 columns 2-block clusters, 32772 / 131076
+    columns larger ones (short last slices). float64 unmasked rows take the maskable kernel's
     persistent grid with the same refill (32 KB slices); masked rows the maskable kernel without
     it. Every row checked."""
     skip_f64_without_x64(dtype)

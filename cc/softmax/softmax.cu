@@ -33,14 +33,6 @@ namespace {
 // Host dispatch: the launchers of the three paths (softmax_warp.cuh, softmax_cached.cuh,
 // softmax_uncached.cuh) and the rules that choose among them; plans and grids in softmax_plan.cuh.
 
-// Slice budget of the cp.async forward's rows longer than kCachedBytesPerBlock. H100, session 8
-// (64 KB against 32 KB, same run): f32 512x131072 201.3 -> 196.2 us (clusters of 8 instead of 16),
-// 2048x32768 196.8 -> 194.3 (2 instead of 4), bf16 2048x32768 104.4 -> 100.1 (one block of 64 KB
-// instead of 2 of 32 KB); rows already at 16 blocks of 64 KB (f32 262144) unchanged; 16 KB was
-// slower or equal everywhere, 128 KB (one block an SM) 15-30 % slower. The backward keeps 32 KB
-// (unmeasured with 64).
-constexpr size_t kForwardLongSliceBytes = 64 * 1024;
-
 // Smallest cluster whose cp.async forward takes one (max, sum) reduction a row (forward_cached's
 // kPairStats). H100, session 12, same build, µs two reductions -> one: 4-16 block clusters gain
 // (f32 256x262144 (16 blocks) 202.3-204.3 -> 191.0-192.2, 512x131072 (8) 196.9-197.1 -> 192.5-193.9;
@@ -60,15 +52,13 @@ bool launch_async_forward(const T* x, const bool* mask, T* y, int64_t rows, int6
   const int64_t plan_cols = kWindow ? window_cols<P>(cols) : cols;
   const size_t col_bytes = sizeof(T) + (kMaskable ? 1 : 0);  // the mask's slice is cached too
   CachedPlan plan;
-  if (!remembered_plan(forward_cached<T, P, kMaskable, false, kWindow>, plan_cols, P, col_bytes, dev, &plan,
-                       kForwardLongSliceBytes)) {
+  if (!remembered_plan(forward_cached<T, P, kMaskable, false, kWindow>, plan_cols, P, col_bytes, dev, &plan)) {
     return false;
   }
   // Only rows long enough for a large cluster look up the pair kernel's own plan.
   CachedPlan pair;
   if (plan.cluster >= kPairStatsMinCluster &&
-      remembered_plan(forward_cached<T, P, kMaskable, true, kWindow>, plan_cols, P, col_bytes, dev, &pair,
-                      kForwardLongSliceBytes) &&
+      remembered_plan(forward_cached<T, P, kMaskable, true, kWindow>, plan_cols, P, col_bytes, dev, &pair) &&
       pair.cluster >= kPairStatsMinCluster) {
     *err = launch_clustered(forward_cached<T, P, kMaskable, true, kWindow>, async_cached_grid(rows, pair),
                             pair.threads, pair.smem, pair.cluster, stream, x, mask, y, rows, cols, pair.slice, log);

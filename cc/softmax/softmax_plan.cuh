@@ -27,18 +27,24 @@ struct CachedPlan {
 constexpr int kCachedThreads[] = {1024, 512, 256, 128};
 constexpr int64_t kMaxPacksPerThread = 4 * kUnroll;
 
-// Picks the smallest cluster whose blocks each cache at most kCachedBytesPerBlock of the row, or
-// `long_row_slice` when the row is longer than that (more if the cluster limit is reached); false
-// when even the largest cluster cannot cache it.
+// Picks the smallest cluster whose blocks each cache at most kCachedBytesPerBlock of the row (more
+// if the cluster limit is reached); false when even the largest cluster cannot cache it.
+// The cp.async forward's rows took 64 KB slices from session 8 (H100: f32 512x131072 201.3 ->
+// 196.2 µs, 2048x32768 196.8 -> 194.3, bf16 2048x32768 104.4 -> 100.1 against 32 KB) to session
+// 36, when the H200 measured 32 KB (twice the cluster, up to twice the blocks an SM) faster or
+// equal, and the H100 figures predate the pair-statistics kernel that clusters of >= 4 now take.
+// H200, session 36 runs 2-3, µs 64 / 32 KB: f32 2048x32768 144.2 / 140.2 (second device 158.3 /
+// 152.9-154.0), 512x131072 146.9 / 144.6, 256x262144 152.7 / 151.3, 4096x16384 156.1 / 156.9-157.3
+// (the one loss), 5461x12288 157.4 / 156.1; bf16 512x131072 76.4 / 74.1, 256x262144 79.7 /
+// 77.6-77.8, 2048x32768 75.4 / 74.6. 16 KB lost at 12288 (f32 166.1) and bf16 131072 (83.6).
 template <class Kernel>
-bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, size_t long_row_slice,
-                 const DeviceInfo& dev, CachedPlan* plan) {
+bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, const DeviceInfo& dev,
+                 CachedPlan* plan) {
   const int max_cluster = dev.cc_major >= 9 ? 16 : 1;
   const size_t smem_limit = static_cast<size_t>(dev.max_smem_optin) - 1024;  // static scratch
   const size_t row_bytes = static_cast<size_t>(cols) * bytes_per_col;
   int cluster = 1;
-  const size_t per_block = row_bytes > kCachedBytesPerBlock ? long_row_slice : kCachedBytesPerBlock;
-  while (cluster < max_cluster && row_bytes > per_block * cluster) cluster *= 2;
+  while (cluster < max_cluster && row_bytes > kCachedBytesPerBlock * cluster) cluster *= 2;
   for (; cluster >= 1; cluster /= 2) {
     const int64_t slice = ceil_div<int64_t>(ceil_div<int64_t>(cols, cluster), pack) * pack;
     const size_t smem = static_cast<size_t>(slice) * bytes_per_col;
@@ -62,10 +68,10 @@ bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, si
 // uncached path, whose rows are so long that the queries' cost does not show.
 template <class Kernel>
 bool remembered_plan(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, const DeviceInfo& dev,
-                     CachedPlan* plan, size_t long_row_slice = kCachedBytesPerBlock) {
+                     CachedPlan* plan) {
   return remembered(reinterpret_cast<const void*>(kernel), dev.device, cols, int64_t(bytes_per_col), plan,
                     [&](CachedPlan* p) {
-                      return plan_cached(kernel, cols, pack, bytes_per_col, long_row_slice, dev, p);
+                      return plan_cached(kernel, cols, pack, bytes_per_col, dev, p);
                     });
 }
 
@@ -90,8 +96,14 @@ inline int64_t async_cached_grid(int64_t rows, const CachedPlan& plan) {
   return cached_grid(rows, plan);
 }
 
-// L2 the lean backward may fill with its blocks' next rows (see l2_prefetch_bytes).
-constexpr size_t kL2PrefetchBudget = size_t(16) << 20;
+// L2 the lean backward may fill with its blocks' next rows (see l2_prefetch_bytes): half of each
+// block's next slice at float32 256x262144. H200, session 36 runs 2-3, same-run sweeps, softmax /
+// log_softmax backward µs: 16 MB (the whole next slice, session 6's H100 choice) 251.8 / 252.2,
+// 8 MB 243.6 / 244.1 (a second device: 249.9 -> 240.9; 4 MB 246.2, 6 MB 244.3, 12 MB 244.6, none
+// 267.7). Prefetching two rows ahead (16 MB: half of each of the next two slices) measured 251.6,
+// 24-32 MB two ahead 270-284: the prefetched lines and the output stream then outgrow L2. The rest of
+// each slice comes by cp.async straight from DRAM as before.
+constexpr size_t kL2PrefetchBudget = size_t(8) << 20;
 
 // Bytes of each input array's next slice a block of the lean backward prefetches into L2 while it
 // reduces its current row; 0 (no prefetch) unless the plan's resident grid has at most one block
