@@ -125,7 +125,7 @@ constexpr int row_packs_per_thread() {
 
 // Packs a lane of row_warp_kernel takes (the group of lanes a row gets follows from it): the
 // unroll, except logsumexp and (from 1024 elements, lane_packs_for) 16-bit argmax/argmin, which
-// take row_packs_per_thread there too. Its group merge is
+// take row_packs_per_thread there too. logsumexp's group merge is
 // log2(group) shuffles with an expf each, a per-row cost that 1024-long rows in groups of 32
 // lanes of 8 packs paid on every 1024 elements (65536x1024: 0.906 of copy, where a warp of 32
 // packs a lane on 4096-long rows reads at 0.972). Session 18, H100: 65536x1024 99.4 -> 92.0 us,
