@@ -94,15 +94,15 @@ constexpr int max_row_block_threads() {
 
 // Packs a thread takes from one row (or chunk of a split row) of 16-byte packs: the unroll, so a
 // row is read in one round of loads (a 4096-long float32 row by 128 threads, 8192 bf16 by 128),
-// except logsumexp (float32 32 packs, 16-bit 16: see below), whose exp-taking merges want fewer,
-// longer threads. Until session 16 every block row had 256 threads and rows up to 4096 elements a warp:
-// bf16 rows of 4097-16383 elements then left each thread fewer packs than the unroll, all in the
-// one-pack-at-a-time tail. H100, session 16 run 5, µs, same-run A/B: 8192x8192 bf16 (256 -> 128
-// threads) sum 49.6 -> 43.9, max 48.0 -> 44.0, logsumexp 91.0 -> 45.8, argmax 88.3 -> 45.9 (XLA
-// 43.3-47.4); 16384x6000 bf16 argmax 148.4 -> 88.3, float32 192.0 -> 139.6; 8192x8192 float32
-// logsumexp 96.5 -> 91.4. 16384x4096 float32 (a warp -> a block of 128): sum 85.6 -> 85.3, max
-// 86.0 -> 85.5, argmax 88.5 -> 88.0 (XLA 85.6), on the hosts of runs 2-4 87.8 -> 86.1, 88.2 ->
-// 86.2, 90.9 -> 88.2 (XLA 85.5 / 85.5 / 86.3).
+// except logsumexp (float32 32 packs, 16-bit 16) and 16-bit argmax/argmin (32), whose per-row
+// merges want fewer, longer threads (see below). Until session 16 every block row had 256 threads
+// and rows up to 4096 elements a warp: bf16 rows of 4097-16383 elements then left each thread fewer
+// packs than the unroll, all in the one-pack-at-a-time tail. H100, session 16 run 5, µs, same-run
+// A/B: 8192x8192 bf16 (256 -> 128 threads) sum 49.6 -> 43.9, max 48.0 -> 44.0, logsumexp 91.0 ->
+// 45.8, argmax 88.3 -> 45.9 (XLA 43.3-47.4); 16384x6000 bf16 argmax 148.4 -> 88.3, float32 192.0 ->
+// 139.6; 8192x8192 float32 logsumexp 96.5 -> 91.4. 16384x4096 float32 (a warp -> a block of 128):
+// sum 85.6 -> 85.3, max 86.0 -> 85.5, argmax 88.5 -> 88.0 (XLA 85.6), on the hosts of runs 2-4 87.8
+// -> 86.1, 88.2 -> 86.2, 90.9 -> 88.2 (XLA 85.5 / 85.5 / 86.3).
 // 16-bit logsumexp takes 16 packs (two rounds of its 8-pack loop): its per-row cost (the merges of
 // a warp's and a block's threads, an exp each; ncu: ~13 instructions an element at 8 packs, 0.62
 // issues a cycle, DRAM 66 %) fell on half as many elements a thread. H200, session 35 runs 4 and
