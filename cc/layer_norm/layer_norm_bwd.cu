@@ -260,15 +260,16 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
       if constexpr (sizeof(T) == 2) {
         // <= 4096 columns: next row prefetched, 3 blocks of 256 an SM (session 6: bf16 16384x4096
         // layer_norm_bwd 165.5 -> 158.9 us); 8192 columns: session 5's kernel, 2 blocks of 512.
-        // Column sums added over clusters of 4 / 2 blocks (session 8, H100, two runs: bf16
-        // layer_norm_bwd 16384x4096 160.0 -> 152.2 us, 8192x8192 160.1 -> 155.1; rms_norm_bwd
-        // within +-1 %). reduce_slots itself gains only 1-1.5 us; the rest is the row kernel's,
-        // whose time moved with the cluster size by up to +-3 %, reproducibly but differently for
-        // the two ops (the block-to-SM placement changes with clusters): the sizes are the
-        // measured best for layer_norm that do not slow rms_norm.
+        // Column sums added over clusters of 2 blocks. Session 8 (H100, a slot a block) chose 4 at
+        // <= 4096 columns: bf16 layer_norm_bwd 16384x4096 160.0 -> 152.2 us, 8192x8192 160.1 ->
+        // 155.1 (rms_norm within +-1 %); the row kernel's time moved with the cluster size by up
+        // to +-3 %, differently for the two ops (block-to-SM placement). Session 37 (H200, a slot
+        // a cluster since session 33), 4 -> 2 at <= 4096 columns: bf16 layer_norm_bwd 65536x2048
+        // 237.3 -> 224.5 us, 32768x4096 248.2 -> 231.7; rms_norm_bwd 207.5 -> 204.0, 209.0 ->
+        // 207.5 (1: within 0.5 us of 2 there; 8: slower than 4).
         if (npacks <= 256 * kRowPacks)
           return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks, true>, a, info, threads, smem, stream,
-                                    4);
+                                    2);
         return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks>, a, info, threads, smem, stream, 2);
       } else {
         // float: clusters of 2 measured 0-2.5 us faster at 4096 / 8192 columns (session 8).

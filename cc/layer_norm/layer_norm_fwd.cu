@@ -116,7 +116,9 @@ bool forward_split(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStrea
     // 512x131072 forward went from 320.7 to 389.2 us (two cluster-wide sums a row), while
     // rms_norm went 311.7 -> 256.9 and bfloat16 layer_norm (8 blocks) 188.2 -> 155.9 (H100,
     // session 32 runs 7 and 9). Split into 8, float32 layer_norm 1024x65536 read 0.625 of copy;
-    // uncached was not measured there (0.557 at 131072).
+    // uncached was not measured there (0.557 at 131072). Since session 37 the split rows take one
+    // cluster-wide sum a row (one-pass variance); split into 16, 512x131072 then measured 243.3 ->
+    // 236.4 us (H200, one run, bench only: not yet the default).
     if (sizeof(T) == 4 && !a.shape.rms && n > 8) return false;
     const int64_t per = (npacks + n - 1) / n;
     const size_t smem = static_cast<size_t>(per * pack_bytes);
@@ -141,9 +143,12 @@ bool forward_split(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStrea
 // 2048 49.6 / 53.7, 183.0 / 203.3; float32 1536 72.5 / 73.6, 272.5 / 285.2; 1792 83.9 / 83.1,
 // 2048 95.2 / 92.2. rms_norm (one block reduction, so the block kernel is cheaper): bf16 1152
 // 29.1 / 30.9, 103.8 / 114.8; 1536 38.0 / 37.2, 137.7 / 141.1; 1792 43.5 / 41.7; float32 1032
-// 50.1 / 48.6, 1280 60.7 / 57.7. So: 16-bit layer_norm up to 2048 columns, 16-bit rms_norm and
-// float32 layer_norm up to 1536, float32 rms_norm never. JAXOPS_LN_FWD_WIDE (a test hook, read
-// at every launch): 1 takes the team wherever it fits, 0 never.
+// 50.1 / 48.6, 1280 60.7 / 57.7. So: 16-bit layer_norm up to 2048 columns, 16-bit rms_norm up
+// to 1536, float32 rms_norm never. float32 layer_norm up to 2048 since session 37 (H100 took it
+// to 1536 only): H200, team / block, us, 16384 and 65536 rows: 1792 63.0 / 65.6, 235.5 / 250.7;
+// 2048 71.7 / 72.5, 267.3 / 278.3 (float32 rms_norm 2048: 70.6 / 66.2, 261.7 / 257.8).
+// JAXOPS_LN_FWD_WIDE (a test hook, read at every launch): 1 takes the team wherever it fits, 0
+// never.
 template <class T>
 constexpr int kWidestPacks = 64 * static_cast<int>(sizeof(T)) / 16;
 
@@ -154,7 +159,7 @@ bool widest_team(int64_t npacks, bool rms) {
     return e[0] == '1';
   const int64_t cols = npacks * 16 / static_cast<int64_t>(sizeof(T));
   if (sizeof(T) == 2) return !rms || cols <= 1536;
-  return !rms && cols <= 1536;
+  return !rms;
 }
 
 template <class T, int kPack>

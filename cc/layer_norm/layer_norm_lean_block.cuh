@@ -1,11 +1,12 @@
 // Session 5: the lean block-per-row forward (`forward_block_lean`) for float / bfloat16 / float16
 // rows in 16-byte packs with one parameter group (2048-~100K columns, row cached in shared
-// memory). Same structure as forward_block (loads of 4 packs ahead, row in dynamic shared memory,
-// three passes), with the forward_lean diet: 1/cols once per kernel and rsqrtf (no IEEE division
-// or sqrt per row), one-instruction bf16 conversions and packed F2FP stores (unpack_floats /
-// pack_floats), y = fma(fma(x - shift, rstd, -mean_rel * rstd), s, b), 32-bit pack indices and no
-// 64-bit `row / rows_per_group` per pack for the scale / bias loads (groups == 1), and a block sum
-// with a lane tree instead of a serial loop over the warps.
+// memory). Same structure as forward_block (loads of 4 packs ahead, row in dynamic shared memory)
+// but two passes (session 37: the variance in the load pass; a third pass only for rows whose
+// first element is far from the mean), with the forward_lean diet: 1/cols once per kernel and
+// rsqrtf (no IEEE division or sqrt per row), one-instruction bf16 conversions and packed F2FP
+// stores (unpack_floats / pack_floats), y = fma(fma(x - shift, rstd, -mean_rel * rstd), s, b),
+// 32-bit pack indices and no 64-bit `row / rows_per_group` per pack for the scale / bias loads
+// (groups == 1), and a block sum with a lane tree instead of a serial loop over the warps.
 #pragma once
 #include "layer_norm/layer_norm_lean.cuh"
 #include "layer_norm/layer_norm_lean_bwd.cuh"
@@ -52,18 +53,26 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
           unpack_floats<T, kPack>(xp[k], f);
 #pragma unroll
           for (int e = 0; e < kPack; ++e) {
-            if constexpr (kRms) sq = fmaf(f[e], f[e], sq);
-            else sum += f[e] - shift;
+            const float d = kRms ? f[e] : f[e] - shift;
+            if constexpr (!kRms) sum += d;
+            sq = fmaf(d, d, sq);
           }
         }
       }
     }
-    float mean_rel = 0.0f;
-    if constexpr (!kRms) {
-      if constexpr (kSplit) split_row_sums<kSplit>(sum, unused, parts, parity);
-      else block_sum2_lean(sum, unused, scratch);
-      parity ^= 1;
-      mean_rel = sum * inv_cols;
+    if constexpr (kSplit) split_row_sums<kSplit>(sum, sq, parts, parity);
+    else block_sum2_lean(sum, sq, scratch);
+    parity ^= 1;
+    const float mean_rel = kRms ? 0.0f : sum * inv_cols;
+    float var = sq * inv_cols;  // rms_norm: the mean square
+    if constexpr (!kRms) var -= mean_rel * mean_rel;
+    // layer_norm's variance in one pass, E[d^2] - E[d]^2 for d = x - shift, when the shift (the
+    // first element) is within sqrt(3) standard deviations of the mean: E[d]^2 <= 3/4 E[d^2]
+    // bounds the cancellation to a factor 4 (var >= E[d^2] / 4). Otherwise (a uniform branch:
+    // every thread holds the same sums) the two-pass variance around the mean, from the cached
+    // row: an extra shared-memory pass and block sum. (Session 37.)
+    if (!kRms && mean_rel * mean_rel > 0.75f * (sq * inv_cols)) {
+      sq = 0.0f;
       for (int p = threadIdx.x; p < npacks; p += blockDim.x) {
         float f[kPack];
         unpack_floats<T, kPack>(load_pack<T, kPack>(cache + p * kPack), f);
@@ -73,11 +82,12 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
           sq = fmaf(d, d, sq);
         }
       }
+      if constexpr (kSplit) split_row_sums<kSplit>(sq, unused, parts, parity);
+      else block_sum2_lean(sq, unused, scratch);
+      parity ^= 1;
+      var = sq * inv_cols;
     }
-    if constexpr (kSplit) split_row_sums<kSplit>(sq, unused, parts, parity);
-    else block_sum2_lean(sq, unused, scratch);
-    parity ^= 1;
-    const float rstd = rsqrtf(sq * inv_cols + eps);
+    const float rstd = rsqrtf(var + eps);
     const float c = kRms ? 0.0f : -mean_rel * rstd;
     T* yr = y + row * s.cols;
     for (int p0 = threadIdx.x; p0 < npacks; p0 += kWriteChunk * blockDim.x) {
