@@ -469,10 +469,11 @@ def test_masked_rows_not_whole_packs(dtype, rows, cols, key):
     assert ON_GPU
 
 
-# The launcher's rules (softmax.cu) pick among three kernels for rows that are not whole packs:
-# short rows staged by tiles (JAXOPS_SOFTMAX_TILED), the windows of the warp and cached kernels
-# (JAXOPS_SOFTMAX_WINDOW), and element loads. Each mode forces one, so every kernel of each shape
-# is checked whichever the rules pick. The probe writes x, the cotangent, y and dx per case.
+# The launchers' rules (softmax_forward.cu, softmax_backward.cu) pick among three kernels for rows
+# that are not whole packs: short rows staged by tiles (JAXOPS_SOFTMAX_TILED), the windows of the
+# warp and cached kernels (JAXOPS_SOFTMAX_WINDOW), and element loads. Each mode forces one, so
+# every kernel of each shape is checked whichever the rules pick. The probe writes x, the
+# cotangent, y and dx per case.
 _WINDOW_PROBE = """
 import sys
 import jax, jax.numpy as jnp, numpy as np

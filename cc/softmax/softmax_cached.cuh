@@ -1,5 +1,5 @@
 // Softmax cached path: a block, or a thread-block cluster, caches its slice of each row in shared
-// memory (forward and backward kernels; the host plan is in softmax.cu).
+// memory (forward and backward kernels; the host plans are in softmax_forward.cu / softmax_backward.cu).
 #pragma once
 #include <cstdint>
 

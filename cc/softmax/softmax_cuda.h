@@ -1,4 +1,5 @@
-// Launchers of the CUDA softmax kernels (host-callable; dispatch in softmax.cu, kernels in softmax_*.cuh).
+// Launchers of the CUDA softmax kernels (host-callable; dispatch in softmax_forward.cu and
+// softmax_backward.cu, kernels in softmax_*.cuh).
 #pragma once
 #include <cuda_runtime_api.h>
 
