@@ -13,6 +13,13 @@ note() { echo "$*" | tee -a "$summary"; }
 step_build() {
   (cd "$root" && JAXOPS_CUDA=ON JAXOPS_CUDA_ARCHITECTURES=${JAXOPS_CUDA_ARCHITECTURES:-90} \
      CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation --no-deps -v . ) >"$out/build.log" 2>&1
+  local rc=$?
+  # The slowest translation units (ninja's log, ms): what sets the build's pace.
+  local log
+  log=$(ls -t "$root"/build/*/.ninja_log 2>/dev/null | head -1)
+  [ -n "$log" ] && { echo "== slowest targets"; awk '!/^#/ {printf "%7.1f s  %s\n", ($2 - $1) / 1000, $4}' "$log" |
+    sort -rn | head -8; } >>"$out/build.log"
+  return $rc
 }
 step_test() {
   (cd /tmp && python -c "import jaxops, jax; print(jaxops.build_info(), jax.devices())" &&
