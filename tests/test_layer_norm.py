@@ -54,6 +54,14 @@ def close(actual, expected, dtype, factor=1.0):
                                equal_nan=True)
 
 
+def assert_unit_layer_norm(y, x, dtype):
+    """y, layer_norm of x with scale 1 and bias 0, against the float64 formula over x's values."""
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
+    exact = (xf - xf.mean(-1, keepdims=True)) / np.sqrt(xf.var(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), exact, rtol=2 * tol(dtype)["rtol"],
+                               atol=2 * tol(dtype)["rtol"] * 4)
+
+
 def params(key, cols, dtype, n=2):
     ks = jax.random.split(key, n)
     return [normal(k, (cols,), dtype) for k in ks]
@@ -116,10 +124,7 @@ def test_variance_whatever_the_first_element(key, dtype, cols, center, spread):
     z = jax.random.normal(key, (2 * offsets.size, cols), jnp.float32)
     z = z.at[:, 0].set(jnp.tile(offsets, 2))
     x = (center + spread * z).astype(dtype)
-    y = np.asarray(jaxops.layer_norm(x, jnp.ones((cols,), dtype), jnp.zeros((cols,), dtype)).astype(jnp.float32))
-    xf = np.asarray(x.astype(jnp.float32), np.float64)
-    exact = (xf - xf.mean(-1, keepdims=True)) / np.sqrt(xf.var(-1, keepdims=True) + 1e-5)
-    np.testing.assert_allclose(y, exact, rtol=2 * tol(dtype)["rtol"], atol=2 * tol(dtype)["rtol"] * 4)
+    assert_unit_layer_norm(jaxops.layer_norm(x, jnp.ones((cols,), dtype), jnp.zeros((cols,), dtype)), x, dtype)
 
 
 def test_inf_and_nan_rows(key):
@@ -512,10 +517,7 @@ def _check_lean_forward(key, dtype, rows, cols, grad_rows, vmap_rows):
     scale, bias = params(k2, cols, dtype)
     close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
     close(jaxops.rms_norm(x, scale), rms_ref(x, scale), dtype)
-    xf = np.asarray(x.astype(jnp.float32), np.float64)
-    exact = (xf - xf.mean(-1, keepdims=True)) / np.sqrt(xf.var(-1, keepdims=True) + 1e-5)
-    y = np.asarray(jaxops.layer_norm(x, jnp.ones_like(scale), jnp.zeros_like(bias)).astype(jnp.float32))
-    np.testing.assert_allclose(y, exact, rtol=2 * tol(dtype)["rtol"], atol=2 * tol(dtype)["rtol"] * 4)
+    assert_unit_layer_norm(jaxops.layer_norm(x, jnp.ones_like(scale), jnp.zeros_like(bias)), x, dtype)
     _check_both_grads(x[:grad_rows], scale, bias, dtype)
     xs = x[:3 * vmap_rows].reshape(3, vmap_rows, cols)
     s3 = jnp.stack([scale, bias, scale])
