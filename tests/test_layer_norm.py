@@ -111,13 +111,14 @@ def test_variance_is_stable_far_from_zero(key):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("cols", [2056, 4096, 8192, 16392])
+@pytest.mark.parametrize("cols", [2056, 4096, 8192, 16392, 262152])
 @pytest.mark.parametrize("center,spread", [(3.0, 2.0), (1e4, 0.1)])
 def test_variance_whatever_the_first_element(key, dtype, cols, center, spread):
-    # The GPU block forward (2056+ columns) takes the variance in one pass around the row's first
-    # element when that element lies within sqrt(3) standard deviations of the mean, else in two
-    # passes around the mean (session 37). First elements 0 ... 1000 standard deviations off,
-    # on both sides: every row must match the float64 formula.
+    # The GPU block, split and uncached forwards (2056+ columns; per-example parameters under vmap
+    # take forward_block) take the variance in one pass around the row's first element when that
+    # element lies within sqrt(3) standard deviations of the mean, else in two passes around the
+    # mean (session 37). First elements 0 ... 1000 standard deviations off, on both sides: every
+    # row must match the float64 formula.
     if dtype == jnp.bfloat16 and center > 100:
         pytest.skip("bfloat16 cannot hold 1e4 + 0.1 z")
     offsets = jnp.asarray([0.0, 0.5, 1.0, 1.7, 1.8, -2.0, 3.0, -30.0, 1000.0], jnp.float32)
@@ -125,6 +126,9 @@ def test_variance_whatever_the_first_element(key, dtype, cols, center, spread):
     z = z.at[:, 0].set(jnp.tile(offsets, 2))
     x = (center + spread * z).astype(dtype)
     assert_unit_layer_norm(jaxops.layer_norm(x, jnp.ones((cols,), dtype), jnp.zeros((cols,), dtype)), x, dtype)
+    ones = jnp.ones((2, cols), dtype)
+    assert_unit_layer_norm(jax.vmap(jaxops.layer_norm)(x.reshape(2, -1, cols), ones, 0 * ones).reshape(x.shape),
+                           x, dtype)
 
 
 def test_inf_and_nan_rows(key):
@@ -452,12 +456,16 @@ def test_forced_split_rows_backward_gpu(key, monkeypatch, split, dtype, rows, co
 
 @gpu_only
 @pytest.mark.parametrize("dtype,rows,cols", [(jnp.float32, 600, 65536), (jnp.bfloat16, 5, 262152),
-                                             (jnp.float16, 40, 131072), (jnp.float32, 3, 100000)])
+                                             (jnp.float16, 40, 131072), (jnp.float32, 3, 100000),
+                                             (jnp.float32, 5, 262136), (jnp.float32, 37, 12296),
+                                             (jnp.bfloat16, 9, 30000)])
 def test_split_rows_forward_gpu(key, dtype, rows, cols):
     # Forward rows beyond one block's shared memory split over a cluster's blocks on Hopper, about
     # 32 KB a block: 65536 float32 columns over 8 blocks with several rows a cluster; 262152 bf16
-    # over 16 (the last block owns fewer packs); 100000 float32 over 13 for rms_norm (layer_norm
-    # keeps the uncached kernel past 8 float32 blocks). y and the gradients against the references.
+    # over 16 (the last block owns fewer packs); 100000 float32 over 13; 262136 float32 over 16
+    # at 64 KB a block (512 threads; one pack more a block and the row goes uncached). layer_norm
+    # (not rms_norm) rows of 32-64 KB split into 2 (session 38): 12296 float32, 30000 bf16 columns.
+    # y and the gradients against the references.
     _check_both_grads(*_check_forward(key, dtype, rows, cols, 3.0), dtype)
 
 

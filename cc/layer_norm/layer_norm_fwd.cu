@@ -102,29 +102,32 @@ cudaError_t launch_wide(const ForwardArgs& a, const cuda::DeviceInfo& info, cuda
 }
 
 // Rows beyond one block's shared memory, split over a cluster of n blocks (Hopper, session 32):
-// each block caches ceil(packs / n) packs, about 32 KB (n = 2..16, the block forward's size at
-// 8192-16384 columns), and the row sums are added across the cluster (layer_norm_split.cuh). The
-// row is read once instead of twice by forward_uncached. False when no split fits.
+// each block caches ceil(packs / n) packs, about 32 KB (n = 2..16), and the row sums are added
+// across the cluster (layer_norm_split.cuh). The row is read once instead of twice by
+// forward_uncached. False when no split fits.
+//
+// Session 38 (H200, runs 2-3): 8 packs a thread, so several blocks of different clusters share an
+// SM and one's loads overlap another's reduction and stores. At 4 packs a thread a 32 KB block
+// had 512 threads and a 64 KB one 1024 (one block an SM, strictly load -> cluster sum -> store):
+// f32 rms_norm 256x262144 431.4 -> 177.7 us (0.44 -> 1.07x XLA), 512x131072 212.7 -> 170.1,
+// 1024x65536 177.8 -> 152.8; bf16 rms_norm 128x524288 231.6 -> 107.2, layer_norm 261.6 -> 111.4,
+// 256x262144 139.4 -> 99.4. Past 64 KB a block (16 blocks, f32 rows > 256K columns, 16-bit
+// > 512K) only one block fits an SM again and forward_uncached is faster (f32 128x524288 rms_norm
+// 208.3 us uncached, 240.2 split at 512 threads, 304.6 at 1024). float32 layer_norm now splits
+// into 16 as well: one cluster-wide sum a row since session 37 (512x131072 227.2 -> 171.8 us,
+// 256x262144 238.5 -> 190.8; the H100's 320.7 -> 389.2 of session 32 had two).
 template <class T, int kPack>
 bool forward_split(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream, cudaError_t* status) {
   if constexpr (kLeanType<T, kPack>) {
     if (info.cc_major < 9 || !lean_forward<T, kPack>(a)) return false;
-    constexpr int64_t kShareBytes = 32 * 1024;
+    constexpr int64_t kShareBytes = 32 * 1024, kMaxShareBytes = 64 * 1024;
     const int64_t npacks = a.shape.cols / kPack, pack_bytes = kPack * sizeof(T);
     const int64_t n = std::clamp<int64_t>((npacks * pack_bytes + kShareBytes - 1) / kShareBytes, 2, 16);
-    // float32 layer_norm over clusters of more than 8 keeps forward_uncached: split into 16, its
-    // 512x131072 forward went from 320.7 to 389.2 us (two cluster-wide sums a row), while
-    // rms_norm went 311.7 -> 256.9 and bfloat16 layer_norm (8 blocks) 188.2 -> 155.9 (H100,
-    // session 32 runs 7 and 9). Split into 8, float32 layer_norm 1024x65536 read 0.625 of copy;
-    // uncached was not measured there (0.557 at 131072). Since session 37 the split rows take one
-    // cluster-wide sum a row (one-pass variance); split into 16, 512x131072 then measured 243.3 ->
-    // 236.4 us (H200, one run, bench only: not yet the default).
-    if (sizeof(T) == 4 && !a.shape.rms && n > 8) return false;
     const int64_t per = (npacks + n - 1) / n;
     const size_t smem = static_cast<size_t>(per * pack_bytes);
-    if (smem > dynamic_smem_limit(info, 64 * sizeof(float) + 512)) return false;
+    if (smem > std::min<size_t>(kMaxShareBytes, dynamic_smem_limit(info, 64 * sizeof(float) + 512))) return false;
     auto kernel = forward_block_lean<T, kPack, true>;
-    const int threads = block_threads(per, 4);
+    const int threads = block_threads(per, 8);
     const int64_t resident = cuda::remembered_resident_clusters(kernel, threads, smem, static_cast<int>(n), info);
     if (resident < 1) return false;
     const int64_t clusters = std::min(a.shape.rows, resident);
@@ -176,6 +179,12 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
   using A = acc_t<T>;
   const int threads = block_threads(npacks, 4);
   const size_t smem = sizeof(T) * static_cast<size_t>(a.shape.cols);
+  // layer_norm rows of 32-64 KB split into 2 as well (session 38, H200 run 3, block kernel /
+  // split, us): f32 4096x16384 163.3 / 151.3, 8192x16384 320.1 / 297.8; bf16 2048x32768 91.9 /
+  // 82.8, 4096x32768 177.0 / 157.7. Not rms_norm (f32 4096x32768 281.1 / 296.0, bf16 8192x16384
+  // 135.3 / 147.3), nor rows of 32 KB or less (f32 8192x8192 145.9 / 151.5) or of 128 KB (level).
+  if (!a.shape.rms && smem > 32 * 1024 && smem <= 64 * 1024)
+    if (cudaError_t status; forward_split<T, kPack>(a, info, stream, &status)) return status;
   if (smem <= dynamic_smem_limit(info, 64 * sizeof(A))) {
     auto kernel = forward_block<T, kPack>;
     bool persistent = true;

@@ -1,5 +1,5 @@
 // layer_norm / rms_norm forward kernels: team (rows in registers), block (the row cached in
-// shared memory) and uncached (Welford statistics, then y).
+// shared memory) and uncached (shifted sums, then y).
 #pragma once
 #include "layer_norm/layer_norm_kernels.cuh"
 
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(128, forward_min_blocks<T>(kPack* kPacks * kRo
 // One block per row, the row cached in dynamic shared memory (cols elements of T). Each thread
 // re-reads only the packs it cached itself, so no barrier is needed besides the reductions.
 // The block kernels' 16-byte pack loops are unrolled 4 times: a rolled loop waits for each
-// pack's load before issuing the next (its shared store / Welford update depends on it), so a
+// pack's load before issuing the next (its shared store / sums depend on it), so a
 // thread had only one 16-byte load (two in the backward) in flight.
 template <class T, int kPack>
 __global__ void __launch_bounds__(1024) forward_block(ForwardArgs a) {
@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(1024) forward_block(ForwardArgs a) {
   const T* x = static_cast<const T*>(a.x);
   for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
     const A shift = row_shift<T>(s, x, row);
-    A sum = 0, unused = 0;
+    A sum = 0, sq = 0, unused = 0;
     // Session 4: all loads of a chunk are issued before any is consumed. The unrolled loop of
     // session 3 compiled to LDG -> STS -> branch per pack (the store needs the load, and the
     // trip-count branches kept the next LDG behind it): one 16-byte load in flight per thread.
@@ -204,26 +204,31 @@ __global__ void __launch_bounds__(1024) forward_block(ForwardArgs a) {
         if (p < npacks) {
           store_pack(cache + p * kPack, xp[k]);
 #pragma unroll
-          for (int e = 0; e < kPack; ++e) sum += to_acc(xp[k].v[e]) - shift;
+          for (int e = 0; e < kPack; ++e) {
+            const A d = to_acc(xp[k].v[e]) - shift;
+            sum += d;
+            sq += d * d;
+          }
         }
       }
     }
-    A mean_rel = 0;
-    if (!s.rms) {
-      block_sum2(sum, unused, scratch);
-      mean_rel = sum / A(s.cols);
-    }
-    A sq = 0;
-    for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x) {
-      const auto xp = load_pack<T, kPack>(cache + p * kPack);
+    block_sum2(sum, sq, scratch);
+    const A mean_rel = s.rms ? A(0) : sum / A(s.cols);
+    A var;
+    if (!shifted_variance(mean_rel, sq / A(s.cols), &var) && !s.rms) {  // (uniform: the same sums everywhere)
+      sq = 0;
+      for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x) {
+        const auto xp = load_pack<T, kPack>(cache + p * kPack);
 #pragma unroll
-      for (int e = 0; e < kPack; ++e) {
-        const A d = (to_acc(xp.v[e]) - shift) - mean_rel;
-        sq += d * d;
+        for (int e = 0; e < kPack; ++e) {
+          const A d = (to_acc(xp.v[e]) - shift) - mean_rel;
+          sq += d * d;
+        }
       }
+      block_sum2(sq, unused, scratch);
+      var = sq / A(s.cols);
     }
-    block_sum2(sq, unused, scratch);
-    const A rstd = inv_sqrt(sq / A(s.cols) + A(s.epsilon));
+    const A rstd = inv_sqrt(var + A(s.epsilon));
     // Same for the scale/bias loads (L1/L2 hits) ahead of the y stores (float: chunks of 2).
     for (int64_t p0 = threadIdx.x; p0 < npacks; p0 += kWriteChunk * blockDim.x) {
       ParamPacks<T, kPack> pp[kWriteChunk];
@@ -243,77 +248,78 @@ __global__ void __launch_bounds__(1024) forward_block(ForwardArgs a) {
   }
 }
 
-// Running (count, mean, sum of squared deviations); merged with Chan et al.'s formula.
-template <class A>
-struct Welford {
-  A n = 0, mean = 0, m2 = 0;
-};
-
-template <class A>
-__device__ __forceinline__ Welford<A> merge(Welford<A> a, Welford<A> b) {
-  if (b.n == A(0)) return a;
-  if (a.n == A(0)) return b;
-  Welford<A> r;
-  r.n = a.n + b.n;
-  const A d = b.mean - a.mean, fb = b.n / r.n;
-  r.mean = a.mean + d * fb;
-  r.m2 = a.m2 + b.m2 + d * d * a.n * fb;
-  return r;
-}
-
-// One block per row; rows too long for shared memory: Welford pass, then a pass writing y.
-// rms_norm keeps mean == 0, so m2 is the plain sum of squares.
+// One block per row; rows too long for shared memory or a cluster: the shifted sums, then a pass
+// writing y (a third pass, the squares around the mean, only for rows shifted_variance does not
+// trust). Session 37: a Welford update an element (an IEEE division each) made float32 256x262144
+// ALU-bound at 0.26 of copy (H200). Session 38: every pass issues a chunk of loads before using
+// any (as forward_block); the rolled loops had one 16-byte load in flight a thread.
 template <class T, int kPack>
 __global__ void __launch_bounds__(1024) forward_uncached(ForwardArgs a) {
   cuda::enter_kernel();
   using A = acc_t<T>;
-  __shared__ A scratch[3 * 32];
+  constexpr int kChunk = kPack > 1 ? 4 : 1, kWriteChunk = kPack > 1 && sizeof(T) == 4 ? 2 : 1;
+  __shared__ A scratch[64];
   const Shape s = a.shape;
   const int64_t npacks = s.cols / kPack;
   const T* x = static_cast<const T*>(a.x);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
-  for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
-    const A shift = row_shift<T>(s, x, row);
-    Welford<A> w;
-#pragma unroll(kPack > 1 ? 4 : 1)
-    for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x) {
-      const auto xp = load_pack<T, kPack>(x + row * s.cols + p * kPack);
+  // Sum of term(element) over this thread's packs of row xr, kChunk loads in flight.
+  auto pass_sum = [&](const T* xr, auto term) {
+    A sum = 0;
+    for (int64_t p0 = threadIdx.x; p0 < npacks; p0 += kChunk * blockDim.x) {
+      Pack<T, kPack> xp[kChunk];
 #pragma unroll
-      for (int e = 0; e < kPack; ++e) {
-        const A v = to_acc(xp.v[e]) - shift;
-        w.n += A(1);
-        if (s.rms) {
-          w.m2 += v * v;
-        } else {
-          const A d = v - w.mean;
-          w.mean += d / w.n;
-          w.m2 += d * (v - w.mean);
+      for (int k = 0; k < kChunk; ++k) {
+        const int64_t p = p0 + k * blockDim.x;
+        if (p < npacks) xp[k] = load_pack<T, kPack>(xr + p * kPack);
+      }
+#pragma unroll
+      for (int k = 0; k < kChunk; ++k) {
+        if (p0 + k * blockDim.x < npacks) {
+#pragma unroll
+          for (int e = 0; e < kPack; ++e) term(sum, to_acc(xp[k].v[e]));
         }
       }
     }
+    return sum;
+  };
+  for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
+    const T* xr = x + row * s.cols;
+    const A shift = row_shift<T>(s, x, row);
+    A sq = 0, unused = 0;
+    A sum = pass_sum(xr, [&](A& acc, A v) {
+      const A d = v - shift;
+      sq += d * d;
+      acc += d;
+    });
+    block_sum2(sum, sq, scratch);
+    const A mean_rel = s.rms ? A(0) : sum / A(s.cols);
+    A var;
+    if (!shifted_variance(mean_rel, sq / A(s.cols), &var) && !s.rms) {
+      sq = pass_sum(xr, [&](A& acc, A v) {
+        const A d = (v - shift) - mean_rel;
+        acc += d * d;
+      });
+      block_sum2(sq, unused, scratch);
+      var = sq / A(s.cols);
+    }
+    const A rstd = inv_sqrt(var + A(s.epsilon));
+    for (int64_t p0 = threadIdx.x; p0 < npacks; p0 += kWriteChunk * blockDim.x) {
+      Pack<T, kPack> xp[kWriteChunk];
+      ParamPacks<T, kPack> pp[kWriteChunk];
 #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      Welford<A> o;
-      o.n = __shfl_xor_sync(0xffffffffu, w.n, offset);
-      o.mean = __shfl_xor_sync(0xffffffffu, w.mean, offset);
-      o.m2 = __shfl_xor_sync(0xffffffffu, w.m2, offset);
-      w = merge(w, o);
+      for (int k = 0; k < kWriteChunk; ++k) {
+        const int64_t p = p0 + k * blockDim.x;
+        if (p < npacks) {
+          xp[k] = load_pack<T, kPack>(xr + p * kPack);
+          pp[k] = load_params<T, kPack>(a, row, p * kPack);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kWriteChunk; ++k) {
+        const int64_t p = p0 + k * blockDim.x;
+        if (p < npacks) store_y<T, kPack>(a, xp[k], pp[k], row, p * kPack, shift, mean_rel, rstd);
+      }
     }
-    __syncthreads();
-    if (lane == 0) {
-      scratch[warp] = w.n;
-      scratch[32 + warp] = w.mean;
-      scratch[64 + warp] = w.m2;
-    }
-    __syncthreads();
-    Welford<A> total;
-    for (int i = 0; i < nwarps; ++i) total = merge(total, Welford<A>{scratch[i], scratch[32 + i], scratch[64 + i]});
-    const A mean_rel = s.rms ? A(0) : total.mean;
-    const A rstd = inv_sqrt(total.m2 / A(s.cols) + A(s.epsilon));
-#pragma unroll(kPack > 1 ? 4 : 1)
-    for (int64_t p = threadIdx.x; p < npacks; p += blockDim.x)
-      write_y<T, kPack>(a, load_pack<T, kPack>(x + row * s.cols + p * kPack), row, p * kPack, shift, mean_rel,
-                        rstd);
     if (threadIdx.x == 0) write_stats<T>(a, row, shift + mean_rel, rstd);
   }
 }

@@ -7,12 +7,12 @@
 //    statistics and backward sums are lane shuffles only;
 //  - block: one block per row, the row cached in dynamic shared memory, so x is read from
 //    global memory once (forward) / x and dy once (backward);
-//  - uncached: rows beyond shared memory are re-read from global memory (forward: one Welford
-//    pass for the statistics, one pass to write y).
-// Variance is computed from deviations about the mean (two passes over registers / shared
-// memory, or Welford), never as E[x^2] - E[x]^2 of x itself, so data with mean 1e4 and std 0.1
-// is exact. The lean block forward (session 37) takes E[d^2] - E[d]^2 of d = x - (the row's
-// first element) in one pass, only where that cannot cancel more than a factor 4.
+//  - uncached: rows beyond shared memory are re-read from global memory (forward: one pass for
+//    the statistics, one pass to write y).
+// Variance is never E[x^2] - E[x]^2 of x itself, so data with mean 1e4 and std 0.1 is exact: the
+// team kernels sum the squares around the mean (two passes over registers); the block and
+// uncached forwards (session 37) take E[d^2] - E[d]^2 of d = x - (the row's first element) in one
+// pass where that cannot cancel more than a factor 4, else two passes (shifted_variance).
 //
 // Backward parameter gradients: a block owns whole "slots" (contiguous rows of one group) and
 // sums dy * xhat (and dy) over a slot per column in a fixed order, writing one partial row per
@@ -43,6 +43,18 @@ constexpr int kVecPack = 16 / static_cast<int>(sizeof(T));
 template <class A>
 __device__ __forceinline__ A inv_sqrt(A v) {
   return A(1) / sqrt(v);
+}
+
+// layer_norm's variance in one pass (session 37): E[d^2] - E[d]^2 for d = x - shift (the row's
+// first element; rms_norm: shift = mean_rel = 0), from the row means of d and d^2. Trusted when
+// E[d]^2 <= 3/4 E[d^2] (the shift within sqrt(3) standard deviations of the mean): var is then at
+// least E[d^2] / 4, so the cancellation multiplies the sums' relative error by at most 4. False
+// otherwise (the caller sums the squares around the mean in another pass); NaN / inf rows pass
+// and give NaN, as the two-pass formula does.
+template <class A>
+__device__ __forceinline__ bool shifted_variance(A mean_rel, A mean_sq, A* var) {
+  *var = mean_sq - mean_rel * mean_rel;
+  return !(mean_rel * mean_rel > A(0.75) * mean_sq);
 }
 
 // Sum over each group of kWidth consecutive lanes; every lane of the warp must call it.

@@ -64,14 +64,10 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
     else block_sum2_lean(sum, sq, scratch);
     parity ^= 1;
     const float mean_rel = kRms ? 0.0f : sum * inv_cols;
-    float var = sq * inv_cols;  // rms_norm: the mean square
-    if constexpr (!kRms) var -= mean_rel * mean_rel;
-    // layer_norm's variance in one pass, E[d^2] - E[d]^2 for d = x - shift, when the shift (the
-    // first element) is within sqrt(3) standard deviations of the mean: E[d]^2 <= 3/4 E[d^2]
-    // bounds the cancellation to a factor 4 (var >= E[d^2] / 4). Otherwise (a uniform branch:
-    // every thread holds the same sums) the two-pass variance around the mean, from the cached
-    // row: an extra shared-memory pass and block sum. (Session 37.)
-    if (!kRms && mean_rel * mean_rel > 0.75f * (sq * inv_cols)) {
+    float var;
+    // Untrusted (a uniform branch: every thread holds the same sums): the variance around the
+    // mean from the cached row, an extra shared-memory pass and block sum.
+    if (!shifted_variance(mean_rel, sq * inv_cols, &var) && !kRms) {
       sq = 0.0f;
       for (int p = threadIdx.x; p < npacks; p += blockDim.x) {
         float f[kPack];
