@@ -262,9 +262,8 @@ __global__ void __launch_bounds__(1024) forward_uncached(ForwardArgs a) {
   const Shape s = a.shape;
   const int64_t npacks = s.cols / kPack;
   const T* x = static_cast<const T*>(a.x);
-  // Sum of term(element) over this thread's packs of row xr, kChunk loads in flight.
-  auto pass_sum = [&](const T* xr, auto term) {
-    A sum = 0;
+  // Calls f(element) for this thread's elements of row xr, kChunk loads in flight.
+  auto for_each_element = [&](const T* xr, auto f) {
     for (int64_t p0 = threadIdx.x; p0 < npacks; p0 += kChunk * blockDim.x) {
       Pack<T, kPack> xp[kChunk];
 #pragma unroll
@@ -276,28 +275,28 @@ __global__ void __launch_bounds__(1024) forward_uncached(ForwardArgs a) {
       for (int k = 0; k < kChunk; ++k) {
         if (p0 + k * blockDim.x < npacks) {
 #pragma unroll
-          for (int e = 0; e < kPack; ++e) term(sum, to_acc(xp[k].v[e]));
+          for (int e = 0; e < kPack; ++e) f(to_acc(xp[k].v[e]));
         }
       }
     }
-    return sum;
   };
   for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
     const T* xr = x + row * s.cols;
     const A shift = row_shift<T>(s, x, row);
-    A sq = 0, unused = 0;
-    A sum = pass_sum(xr, [&](A& acc, A v) {
+    A sum = 0, sq = 0, unused = 0;
+    for_each_element(xr, [&](A v) {
       const A d = v - shift;
       sq += d * d;
-      acc += d;
+      sum += d;
     });
     block_sum2(sum, sq, scratch);
     const A mean_rel = s.rms ? A(0) : sum / A(s.cols);
     A var;
     if (!shifted_variance(mean_rel, sq / A(s.cols), &var) && !s.rms) {
-      sq = pass_sum(xr, [&](A& acc, A v) {
+      sq = 0;
+      for_each_element(xr, [&](A v) {
         const A d = (v - shift) - mean_rel;
-        acc += d * d;
+        sq += d * d;
       });
       block_sum2(sq, unused, scratch);
       var = sq / A(s.cols);
