@@ -328,11 +328,13 @@ def test_bad_input_raises_before_running():
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("cols", [131072, 100003])
+@pytest.mark.parametrize("cols", [131072, 100003, 524296])
 def test_long_rows_uncached_paths(key, dtype, cols):
     # Rows beyond shared memory (forward: > ~227 KB per row; backward: x, dy and the
-    # accumulators beyond it) take the uncached kernels; on Hopper the 131072-column backward
-    # instead splits its rows over clusters of 16 blocks (100003 columns, not whole packs, stays).
+    # accumulators beyond it) take the uncached kernels; on Hopper 131072-column rows instead
+    # split over clusters of 16 blocks, forward and backward (100003 columns, not whole packs,
+    # stay). 524296 columns are past every forward split (more than 64 KB a block, session 38):
+    # forward_uncached with whole 16-byte packs, float32 and bf16.
     k1, k2 = jax.random.split(key)
     x = normal(k1, (3, cols), dtype, scale=2.0) + jnp.asarray(3.0, dtype)
     scale, bias = params(k2, cols, dtype)
