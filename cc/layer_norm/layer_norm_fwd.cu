@@ -116,11 +116,12 @@ cudaError_t launch_wide(const ForwardArgs& a, const cuda::DeviceInfo& info, cuda
 // 208.3 us uncached, 240.2 split at 512 threads, 304.6 at 1024). float32 layer_norm now splits
 // into 16 as well: one cluster-wide sum a row since session 37 (512x131072 227.2 -> 171.8 us,
 // 256x262144 238.5 -> 190.8; the H100's 320.7 -> 389.2 of session 32 had two).
+constexpr int64_t kShareBytes = 32 * 1024, kMaxShareBytes = 64 * 1024;
+
 template <class T, int kPack>
 bool forward_split(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream, cudaError_t* status) {
   if constexpr (kLeanType<T, kPack>) {
     if (info.cc_major < 9 || !lean_forward<T, kPack>(a)) return false;
-    constexpr int64_t kShareBytes = 32 * 1024, kMaxShareBytes = 64 * 1024;
     const int64_t npacks = a.shape.cols / kPack, pack_bytes = kPack * sizeof(T);
     const int64_t n = std::clamp<int64_t>((npacks * pack_bytes + kShareBytes - 1) / kShareBytes, 2, 16);
     const int64_t per = (npacks + n - 1) / n;
@@ -183,7 +184,7 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
   // split, us): f32 4096x16384 163.3 / 151.3, 8192x16384 320.1 / 297.8; bf16 2048x32768 91.9 /
   // 82.8, 4096x32768 177.0 / 157.7. Not rms_norm (f32 4096x32768 281.1 / 296.0, bf16 8192x16384
   // 135.3 / 147.3), nor rows of 32 KB or less (f32 8192x8192 145.9 / 151.5) or of 128 KB (level).
-  if (!a.shape.rms && smem > 32 * 1024 && smem <= 64 * 1024)
+  if (!a.shape.rms && smem > kShareBytes && smem <= kMaxShareBytes)
     if (cudaError_t status; forward_split<T, kPack>(a, info, stream, &status)) return status;
   if (smem <= dynamic_smem_limit(info, 64 * sizeof(A))) {
     auto kernel = forward_block<T, kPack>;
