@@ -328,21 +328,37 @@ def test_bad_input_raises_before_running():
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("cols", [131072, 100003, 524296])
+@pytest.mark.parametrize("cols", [131072, 100003, 524296, 1048584])
 def test_long_rows_uncached_paths(key, dtype, cols):
     # Rows beyond shared memory (forward: > ~227 KB per row; backward: x, dy and the
     # accumulators beyond it) take the uncached kernels; on Hopper 131072-column rows instead
     # split over clusters of 16 blocks, forward and backward (100003 columns, not whole packs,
-    # stay). 524296 columns are past every forward split (more than 64 KB a block, session 38):
-    # forward_uncached with whole 16-byte packs, float32 and bf16.
+    # stay). 524296 and 1048584 columns are past 64 KB a split block: since session 39 the
+    # forward splits them over 16 blocks that cache nothing (kFromL2; the last block's part is
+    # shorter); test_long_rows_grouped_forward_gpu keeps forward_uncached with whole packs.
     k1, k2 = jax.random.split(key)
     x = normal(k1, (3, cols), dtype, scale=2.0) + jnp.asarray(3.0, dtype)
     scale, bias = params(k2, cols, dtype)
     close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
+    close(jaxops.rms_norm(x, scale), rms_ref(x, scale), dtype)
     ln, _ = _loss_fns(jaxops.layer_norm, jaxops.rms_norm, x)
     ln_r, _ = _loss_fns(ln_ref, rms_ref, x)
     for g, w in zip(jax.grad(ln, (0, 1, 2))(x, scale, bias), jax.grad(ln_r, (0, 1, 2))(x, scale, bias)):
         close(g, w, dtype, 2.0)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_long_rows_grouped_forward_gpu(key, dtype):
+    # Per-example parameters (vmap: groups > 1) never split: 524296-column rows take
+    # forward_uncached with whole 16-byte packs.
+    k1, k2, k3 = jax.random.split(key, 3)
+    cols = 524296
+    x = normal(k1, (2, 2, cols), dtype, scale=2.0) + jnp.asarray(3.0, dtype)
+    scale = (1.0 + 0.1 * normal(k2, (2, cols), jnp.float32)).astype(dtype)
+    bias = normal(k3, (2, cols), dtype, scale=0.1)
+    close(jax.vmap(jaxops.layer_norm)(x, scale, bias), jax.vmap(ln_ref)(x, scale, bias), dtype)
+    close(jax.vmap(jaxops.rms_norm)(x, scale), jax.vmap(rms_ref)(x, scale), dtype)
 
 
 @gpu_only

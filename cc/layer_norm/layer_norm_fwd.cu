@@ -116,7 +116,16 @@ cudaError_t launch_wide(const ForwardArgs& a, const cuda::DeviceInfo& info, cuda
 // 208.3 us uncached, 240.2 split at 512 threads, 304.6 at 1024). float32 layer_norm now splits
 // into 16 as well: one cluster-wide sum a row since session 37 (512x131072 227.2 -> 171.8 us,
 // 256x262144 238.5 -> 190.8; the H100's 320.7 -> 389.2 of session 32 had two).
+//
+// Session 39 (H200, runs 1-2): past 64 KB a block the split no longer gives up to forward_uncached,
+// which ran one block a row (32 rows: 32 SMs busy). The 16 blocks of 512 threads cache nothing and
+// re-read their parts (kFromL2). bf16 layer_norm 32x2097152 378 -> 137-152 us (0.40 -> 0.98-1.09x
+// XLA), 64x1048576 208 -> 127-131; f32 rms_norm 32x2097152 370 -> 238; at 128x524288 (f32 2 MB
+// rows) the same as uncached (206-211 against 208 us). 256 threads: about the same for float32
+// layer_norm, 5-10 % slower elsewhere; 1024: 0.6-0.8x XLA. Capping the clusters in flight so that
+// their rows fit L2 (24 or 12 MB) was slower at every shape: the fewer blocks left the SMs idle.
 constexpr int64_t kShareBytes = 32 * 1024, kMaxShareBytes = 64 * 1024;
+constexpr int kFromL2Threads = 512;
 
 template <class T, int kPack>
 bool forward_split(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream, cudaError_t* status) {
@@ -126,13 +135,18 @@ bool forward_split(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStrea
     const int64_t n = std::clamp<int64_t>((npacks * pack_bytes + kShareBytes - 1) / kShareBytes, 2, 16);
     const int64_t per = (npacks + n - 1) / n;
     const size_t smem = static_cast<size_t>(per * pack_bytes);
-    if (smem > std::min<size_t>(kMaxShareBytes, dynamic_smem_limit(info, 64 * sizeof(float) + 512))) return false;
     auto kernel = forward_block_lean<T, kPack, true>;
-    const int threads = block_threads(per, 8);
-    const int64_t resident = cuda::remembered_resident_clusters(kernel, threads, smem, static_cast<int>(n), info);
+    int threads = block_threads(per, 8);
+    size_t launch_smem = smem;
+    if (smem > std::min<size_t>(kMaxShareBytes, dynamic_smem_limit(info, 64 * sizeof(float) + 512))) {
+      kernel = forward_block_lean<T, kPack, true, true>;  // nothing cached: parts re-read from L2
+      threads = kFromL2Threads;
+      launch_smem = 0;
+    }
+    const int64_t resident = cuda::remembered_resident_clusters(kernel, threads, launch_smem, static_cast<int>(n), info);
     if (resident < 1) return false;
     const int64_t clusters = std::min(a.shape.rows, resident);
-    *status = cuda::launch_clustered(kernel, clusters * n, threads, smem, static_cast<int>(n), stream, a);
+    *status = cuda::launch_clustered(kernel, clusters * n, threads, launch_smem, static_cast<int>(n), stream, a);
     return true;
   } else {
     return false;

@@ -17,7 +17,9 @@ namespace jaxops::layer_norm {
 // kSplit (session 32): rows beyond one block's shared memory split over the blocks of a cluster
 // (layer_norm_split.cuh); this block caches and writes only its own packs, and the row sums are
 // added across the cluster. The shift is the row's first element in every block.
-template <class T, int kPack, bool kRms, bool kSplit = false>
+// kFromL2 (session 39, split rows past 64 KB a block): nothing cached in shared memory; the later
+// passes re-read the block's part of the row from global memory, mostly from L2 (see forward_split).
+template <class T, int kPack, bool kRms, bool kSplit = false, bool kFromL2 = false>
 __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, float2* scratch,
                                                         float2 (*parts)[32]) {
   constexpr int kLoadChunk = 4, kWriteChunk = sizeof(T) == 4 ? 2 : 1;
@@ -48,7 +50,7 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
       for (int k = 0; k < kLoadChunk; ++k) {
         const int p = p0 + k * blockDim.x;
         if (p < npacks) {
-          store_pack(cache + p * kPack, xp[k]);
+          if constexpr (!kFromL2) store_pack(cache + p * kPack, xp[k]);
           float f[kPack];
           unpack_floats<T, kPack>(xp[k], f);
 #pragma unroll
@@ -71,7 +73,7 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
       sq = 0.0f;
       for (int p = threadIdx.x; p < npacks; p += blockDim.x) {
         float f[kPack];
-        unpack_floats<T, kPack>(load_pack<T, kPack>(cache + p * kPack), f);
+        unpack_floats<T, kPack>(load_pack<T, kPack>((kFromL2 ? xr : cache) + p * kPack), f);
 #pragma unroll
         for (int e = 0; e < kPack; ++e) {
           const float d = (f[e] - shift) - mean_rel;
@@ -87,11 +89,12 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
     const float c = kRms ? 0.0f : -mean_rel * rstd;
     T* yr = y + row * s.cols;
     for (int p0 = threadIdx.x; p0 < npacks; p0 += kWriteChunk * blockDim.x) {
-      Pack<T, kPack> sp[kWriteChunk], bp[kWriteChunk];
+      Pack<T, kPack> sp[kWriteChunk], bp[kWriteChunk], xq[kWriteChunk];
 #pragma unroll
       for (int k = 0; k < kWriteChunk; ++k) {
         const int p = p0 + k * blockDim.x;
         if (p < npacks) {
+          if constexpr (kFromL2) xq[k] = load_pack<T, kPack>(xr + p * kPack);
           sp[k] = load_pack<T, kPack>(scale + p * kPack);
           if constexpr (!kRms) bp[k] = load_pack<T, kPack>(bias + p * kPack);
         }
@@ -101,7 +104,7 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
         const int p = p0 + k * blockDim.x;
         if (p < npacks) {
           float f[kPack], sf[kPack], bf[kPack], out[kPack];
-          unpack_floats<T, kPack>(load_pack<T, kPack>(cache + p * kPack), f);
+          unpack_floats<T, kPack>(kFromL2 ? xq[k] : load_pack<T, kPack>(cache + p * kPack), f);
           unpack_floats<T, kPack>(sp[k], sf);
           if constexpr (!kRms) unpack_floats<T, kPack>(bp[k], bf);
 #pragma unroll
@@ -121,19 +124,19 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
   leave_cluster<kSplit>();
 }
 
-template <class T, int kPack, bool kSplit = false>
+template <class T, int kPack, bool kSplit = false, bool kFromL2 = false>
 __device__ __forceinline__ void forward_block_lean_kernel_body(const ForwardArgs& a) {
   static_assert(sizeof(T) <= 4 && kPack * sizeof(T) == 16, "16-byte packs of float / 16-bit types");
   __shared__ float2 scratch[32];  // (one array for both bodies: 256 bytes, as forward_block)
   __shared__ float2 parts[kSplit ? 2 : 1][32];  // (split rows only)
-  if (a.shape.rms) forward_block_lean_body<T, kPack, true, kSplit>(a, scratch, parts);
-  else forward_block_lean_body<T, kPack, false, kSplit>(a, scratch, parts);
+  if (a.shape.rms) forward_block_lean_body<T, kPack, true, kSplit, kFromL2>(a, scratch, parts);
+  else forward_block_lean_body<T, kPack, false, kSplit, kFromL2>(a, scratch, parts);
 }
 
-template <class T, int kPack, bool kSplit = false>
+template <class T, int kPack, bool kSplit = false, bool kFromL2 = false>
 __global__ void __launch_bounds__(1024) forward_block_lean(ForwardArgs a) {
   cuda::enter_kernel();
-  forward_block_lean_kernel_body<T, kPack, kSplit>(a);
+  forward_block_lean_kernel_body<T, kPack, kSplit, kFromL2>(a);
 }
 
 // Session 6: the same kernel for <= 256 threads, capped at 48 registers. ptxas gives

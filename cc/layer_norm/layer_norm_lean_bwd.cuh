@@ -48,6 +48,23 @@ __device__ __forceinline__ void block_sum2_lean(float& a, float& b, float2* scra
   b = cuda::warp_reduce<cuda::SumOp>(v.y);
 }
 
+// A thread's column sums of pack p (dy * xhat, and dy for layer_norm) into its shared-memory columns.
+template <int kPack, bool kRms>
+__device__ __forceinline__ void store_column_sums(float* sacc, int cols, int p, const float (&as)[kPack],
+                                                  const float (&ab)[kPack]) {
+#pragma unroll
+  for (int c = 0; c < kPack; c += 4) {
+    Pack<float, 4> cs, cb;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      cs.v[i] = as[c + i];
+      cb.v[i] = ab[c + i];
+    }
+    store_pack(sacc + p * kPack + c, cs);
+    if constexpr (!kRms) store_pack(sacc + cols + p * kPack + c, cb);
+  }
+}
+
 // kPrefetch (session 6): the next row's x, dy, mean and rstd are loaded right after the first
 // pass, so they are in flight during the row reduction's barriers and the second pass (+8
 // registers a pack a thread); otherwise they are loaded after dx is written. (Session 4's
@@ -56,11 +73,19 @@ __device__ __forceinline__ void block_sum2_lean(float& a, float& b, float2* scra
 // columns 159.1 -> 151.6 us with the prefetch, 4096 columns 163.7 -> 158.9.
 // kSplit (session 32): the row's packs are split over the blocks of a cluster
 // (layer_norm_split.cuh); this block sees only its own columns, from `first` on.
+// kRegAcc (session 39, one pack a thread: <= 1024 columns): the column sums stay in registers for
+// the whole slot and reach shared memory once, at its end, instead of a shared-memory round trip a
+// row; the same additions in the same order (bit-identical). The kernel was bound by shared memory
+// (session 38 ncu: short scoreboard the top stall, Mem Busy 85 %, DRAM 49 %). H200: bf16
+// layer_norm_bwd 131072x1024 261.3 -> 220.1 us (0.722 -> 0.857 of the bound), 65536x776 128.2 ->
+// 107.9; rms_norm_bwd (one accumulator) unchanged. With two packs (1032-4096 columns) 80 registers
+// spill 80 bytes and 2048 / 4096 columns ran 1.6x slower, so they keep the shared round trip.
 template <class T, int kPack, int kPacks, bool kRms, bool kPrefetch, bool kSplit>
 __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, int64_t used, float2* scratch,
                                                         float2 (*parts)[32]) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* sacc = reinterpret_cast<float*>(smem_raw);  // [kNacc][cols], thread-owned columns
+  constexpr bool kRegAcc = kPacks == 1;
   const Shape& s = a.shape;
   // (Unsplit, cols and npacks are computed as before the split existed: the same code.)
   const RowPart part = row_part<kSplit>(static_cast<int>(s.cols / kPack));
@@ -85,15 +110,23 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
     const T* scale = static_cast<const T*>(a.scale) + g * s.cols + first;
     Pack<T, kPack> sp[kPacks];
     const Pack<float, 4> zero{};
+    float racc_s[kPacks][kPack], racc_b[kPacks][kPack];
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+#pragma unroll
+      for (int e = 0; e < kPack; ++e) racc_s[k][e] = racc_b[k][e] = 0.0f;
+    }
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
       const int p = threadIdx.x + k * blockDim.x;
       if (p < npacks) {
         sp[k] = load_pack<T, kPack>(scale + p * kPack);
+        if constexpr (!kRegAcc) {
 #pragma unroll
-        for (int c = 0; c < kPack; c += 4) {
-          store_pack(sacc + p * kPack + c, zero);
-          if constexpr (!kRms) store_pack(sacc + cols + p * kPack + c, zero);
+          for (int c = 0; c < kPack; c += 4) {
+            store_pack(sacc + p * kPack + c, zero);
+            if constexpr (!kRms) store_pack(sacc + cols + p * kPack + c, zero);
+          }
         }
       }
     }
@@ -151,15 +184,23 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
           unpack_floats<T, kPack>(xp[k], xf);
           unpack_floats<T, kPack>(dp[k], df);
           unpack_floats<T, kPack>(sp[k], sf);
+          if constexpr (kRegAcc) {
 #pragma unroll
-          for (int c = 0; c < kPack; c += 4) {
-            const auto cs = load_pack<float, 4>(sacc + p * kPack + c);
+            for (int e = 0; e < kPack; ++e) {
+              as[e] = racc_s[k][e];
+              ab[e] = racc_b[k][e];
+            }
+          } else {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) as[c + i] = cs.v[i];
-            if constexpr (!kRms) {
-              const auto cb = load_pack<float, 4>(sacc + cols + p * kPack + c);
+            for (int c = 0; c < kPack; c += 4) {
+              const auto cs = load_pack<float, 4>(sacc + p * kPack + c);
 #pragma unroll
-              for (int i = 0; i < 4; ++i) ab[c + i] = cb.v[i];
+              for (int i = 0; i < 4; ++i) as[c + i] = cs.v[i];
+              if constexpr (!kRms) {
+                const auto cb = load_pack<float, 4>(sacc + cols + p * kPack + c);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) ab[c + i] = cb.v[i];
+              }
             }
           }
 #pragma unroll
@@ -171,16 +212,14 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
             if constexpr (!kRms) ab[e] += df[e];
           }
           store_pack(dxr + p * kPack, pack_floats<T, kPack>(out));
+          if constexpr (kRegAcc) {
 #pragma unroll
-          for (int c = 0; c < kPack; c += 4) {
-            Pack<float, 4> cs, cb;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              cs.v[i] = as[c + i];
-              cb.v[i] = ab[c + i];
+            for (int e = 0; e < kPack; ++e) {
+              racc_s[k][e] = as[e];
+              racc_b[k][e] = ab[e];
             }
-            store_pack(sacc + p * kPack + c, cs);
-            if constexpr (!kRms) store_pack(sacc + cols + p * kPack + c, cb);
+          } else {
+            store_column_sums<kPack, kRms>(sacc, cols, p, as, ab);
           }
         }
       }
@@ -198,6 +237,13 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
           if constexpr (!kRms) mean = means[row + 1];
           rstd = rstds[row + 1];
         }
+      }
+    }
+    if constexpr (kRegAcc) {
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int p = threadIdx.x + k * blockDim.x;
+        if (p < npacks) store_column_sums<kPack, kRms>(sacc, cols, p, racc_s[k], racc_b[k]);
       }
     }
     if (!kSplit && store_cluster_sums<T>(a, sacc)) continue;
