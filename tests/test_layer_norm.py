@@ -329,7 +329,7 @@ def test_bad_input_raises_before_running():
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("cols", [131072, 100003, 524296, 1048584])
-def test_long_rows_uncached_paths(key, dtype, cols):
+def test_long_rows_paths(key, dtype, cols):
     # Rows beyond shared memory (forward: > ~227 KB per row; backward: x, dy and the
     # accumulators beyond it) take the uncached kernels; on Hopper 131072-column rows instead
     # split over clusters of 16 blocks, forward and backward (100003 columns, not whole packs,
