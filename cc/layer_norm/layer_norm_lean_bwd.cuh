@@ -110,11 +110,13 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
     const T* scale = static_cast<const T*>(a.scale) + g * s.cols + first;
     Pack<T, kPack> sp[kPacks];
     const Pack<float, 4> zero{};
-    float racc_s[kPacks][kPack], racc_b[kPacks][kPack];
+    float racc_s[kPacks][kPack], racc_b[kPacks][kPack];  // (kRegAcc only)
+    if constexpr (kRegAcc) {
 #pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
+      for (int k = 0; k < kPacks; ++k) {
 #pragma unroll
-      for (int e = 0; e < kPack; ++e) racc_s[k][e] = racc_b[k][e] = 0.0f;
+        for (int e = 0; e < kPack; ++e) racc_s[k][e] = racc_b[k][e] = 0.0f;
+      }
     }
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
