@@ -335,16 +335,45 @@ def test_long_rows_paths(key, dtype, cols):
     # split over clusters of 16 blocks, forward and backward (100003 columns, not whole packs,
     # stay). 524296 and 1048584 columns are past 64 KB a split block: since session 39 the
     # forward splits them over 16 blocks that cache nothing (kFromL2; the last block's part is
-    # shorter); test_long_rows_grouped_forward_gpu keeps forward_uncached with whole packs.
+    # shorter, its write pass walks backwards); since session 40 their backward takes the three
+    # long-row kernels (test_long_rows_backward_gpu has more of them).
     k1, k2 = jax.random.split(key)
     x = normal(k1, (3, cols), dtype, scale=2.0) + jnp.asarray(3.0, dtype)
     scale, bias = params(k2, cols, dtype)
     close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), dtype)
     close(jaxops.rms_norm(x, scale), rms_ref(x, scale), dtype)
-    ln, _ = _loss_fns(jaxops.layer_norm, jaxops.rms_norm, x)
-    ln_r, _ = _loss_fns(ln_ref, rms_ref, x)
-    for g, w in zip(jax.grad(ln, (0, 1, 2))(x, scale, bias), jax.grad(ln_r, (0, 1, 2))(x, scale, bias)):
-        close(g, w, dtype, 2.0)
+    _check_both_grads(x, scale, bias, dtype)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype,groups,rows,cols", [(jnp.float32, 1, 1, 262144), (jnp.float16, 1, 7, 131080),
+                                                    (jnp.bfloat16, 1, 5, 1048584), (jnp.float32, 3, 2, 262148),
+                                                    (jnp.bfloat16, 2, 3, 524296)])
+def test_long_rows_backward_gpu(key, dtype, groups, rows, cols):
+    # Backward rows past the cluster split (> 131072 columns in whole packs): long_row_sums (a
+    # block per row and chunk of 1024 packs; 131080 16-bit columns end in a chunk of one pack),
+    # long_row_coefs, long_row_dx (a block per column tile and parameter group walks the group's
+    # rows four at a time: 1, 2, 3, 5 and 7 rows leave partial steps). Groups > 1: per-example
+    # parameters under vmap. Both ops' gradients against the references; dscale / dbias
+    # bit-identical over two runs.
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    x = normal(k1, (groups, rows, cols), dtype, scale=2.0) + jnp.asarray(3.0, dtype)
+    scale = (1.0 + 0.1 * normal(k2, (groups, cols), jnp.float32)).astype(dtype)
+    bias = normal(k3, (groups, cols), dtype, scale=0.1)
+    w = normal(k4, x.shape, dtype)
+
+    def loss(f):
+        return lambda *a: jnp.sum((jax.vmap(f)(*a) * w).astype(jnp.float32))
+
+    ln_args, rms_args = (x, scale, bias), (x, scale)
+    for f, ref, args in ((jaxops.layer_norm, ln_ref, ln_args), (jaxops.rms_norm, rms_ref, rms_args)):
+        argnums = tuple(range(len(args)))
+        grad = jax.jit(jax.grad(loss(f), argnums))
+        got, again = grad(*args), grad(*args)
+        for g, r in zip(got, jax.grad(loss(ref), argnums)(*args)):
+            close(g, r, dtype, 2.0)
+        for g, h in zip(got[1:], again[1:]):
+            np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(h.astype(jnp.float32)))
 
 
 @gpu_only
@@ -415,6 +444,16 @@ def _check_backward(key, dtype, rows, cols, wkey):
     scale, bias = params(k2, cols, dtype)
     _check_both_grads(x, scale, bias, dtype)
     _check_param_grads_repeat(x, scale, bias, dtype, wkey)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1, 2048), (3, 1032), (1999, 1032), (2001, 2048), (1001, 3592), (533, 4096)])
+def test_pair_row_backward_gpu(key, dtype, rows, cols):
+    # 16-bit rows of 1032-4096 columns: layer_norm two rows an iteration (backward_rows_lean_pair;
+    # odd slot lengths leave a single last row), rms_norm too unless the row fills every thread's
+    # two packs (2048, 4096: the prefetch kernel). 1 and 3 rows: fewer rows than slots.
+    _check_backward(key, dtype, rows, cols, jax.random.key(9))
 
 
 @gpu_only

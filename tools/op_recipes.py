@@ -148,7 +148,8 @@ def _batch_norm_inference_cases(key, size):
 
 def _norm_cases(key, size, with_bias):
     shapes = [((5, 48), jnp.float32), ((3, 7, 130), jnp.bfloat16)] if size == "small" else \
-        [((2048, 1024), jnp.float32), ((512, 4096), jnp.bfloat16), ((8, 65536), jnp.float32)]
+        [((2048, 1024), jnp.float32), ((512, 4096), jnp.bfloat16), ((8, 65536), jnp.float32),
+         ((37, 2056), jnp.bfloat16), ((3, 262152), jnp.float32)]  # pair-row / long-row backward
     cases = []
     for i, (shape, dtype) in enumerate(shapes):
         kx, ks, kb = _keys(jax.random.fold_in(key, i), 3)

@@ -6,6 +6,8 @@
 #include "layer_norm/layer_norm_bwd_kernels.cuh"
 #include "layer_norm/layer_norm_launch.cuh"
 #include "layer_norm/layer_norm_lean_bwd.cuh"
+#include "layer_norm/layer_norm_long_bwd.cuh"
+#include "layer_norm/layer_norm_pair_bwd.cuh"
 #include "layer_norm/layer_norm_split.cuh"
 
 namespace jaxops::layer_norm {
@@ -172,6 +174,33 @@ bool backward_split(const BackwardArgs& a, const cuda::DeviceInfo& info, int for
   }
 }
 
+// Rows no cached kernel holds, as three kernels (layer_norm_long_bwd.cuh). False (the caller takes
+// backward_block uncached) for a workspace too small for the row sums, more groups than a grid's
+// y dimension, or unaligned dscale / dbias.
+template <class T, int kPack>
+bool backward_long_rows(const BackwardArgs& a, cudaStream_t stream, cudaError_t* status) {
+  const Shape& s = a.shape;
+  if (s.groups > 65535) return false;
+  const int64_t npacks = s.cols / kPack;
+  const int64_t chunks = (npacks + kLongSumThreads * kLongSumPacks - 1) / (kLongSumThreads * kLongSumPacks);
+  const int64_t need = 2 * s.rows * (chunks + 1);
+  const int64_t have = s.groups * a.slots_per_group * num_acc(s.rms) * s.cols;
+  if (need > have || s.rows * chunks > int64_t{0x7fffffff}) return false;
+  for (const void* p : {static_cast<const void*>(a.dscale), static_cast<const void*>(a.dbias)})
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  auto sums = s.rms ? long_row_sums<T, kPack, true> : long_row_sums<T, kPack, false>;
+  auto coefs = s.rms ? long_row_coefs<true> : long_row_coefs<false>;
+  auto dx = s.rms ? long_row_dx<T, kPack, true> : long_row_dx<T, kPack, false>;
+  *status = cuda::launch_kernel(sums, static_cast<unsigned>(s.rows * chunks), kLongSumThreads, 0, stream, a, chunks);
+  if (*status == cudaSuccess)
+    *status = cuda::launch_kernel(coefs, static_cast<unsigned>((s.rows * 32 + 255) / 256), 256, 0, stream, a, chunks);
+  if (*status == cudaSuccess) {
+    const dim3 grid(static_cast<unsigned>((npacks + kLongDxThreads - 1) / kLongDxThreads), static_cast<unsigned>(s.groups));
+    *status = cuda::launch_kernel(dx, grid, kLongDxThreads, 0, stream, a, chunks);
+  }
+  return true;
+}
+
 template <class T, int kPack, int kPacks, int kWidth>
 cudaError_t launch_team(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
   const size_t smem = sizeof(acc_t<T>) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols);
@@ -267,6 +296,14 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
         // a cluster since session 33), 4 -> 2 at <= 4096 columns: bf16 layer_norm_bwd 65536x2048
         // 237.3 -> 224.5 us, 32768x4096 248.2 -> 231.7; rms_norm_bwd 207.5 -> 204.0, 209.0 ->
         // 207.5 (1: within 0.5 us of 2 there; 8: slower than 4).
+        // Session 40 (H200): two rows an iteration (backward_rows_lean_pair, bit-identical), except
+        // for rms_norm rows that fill every thread's two packs, where the prefetch kernel stays
+        // ahead. bf16 layer_norm_bwd, us: 65536x2048 224.0 -> 215.6, 32768x4096 231.8 -> 218.6,
+        // 65536x3072 337.7 -> 316.2, 65536x1032 142.6 -> 129.1, 65536x2056 265.1 -> 243.6;
+        // rms_norm_bwd 65536x1032 125.0 -> 112.0, 65536x1544 173.9 -> 164.0, 65536x2056 237.4 ->
+        // 216.5, but 65536x2048 203.9 -> 216.2 and 32768x4096 208.0 -> 218.3 (full rows).
+        if (npacks <= 256 * kRowPacks && (!a.shape.rms || npacks != int64_t{threads} * kRowPacks))
+          return launch_slotted<T>(backward_rows_lean_pair<T, kPack, kRowPacks>, a, info, threads, smem, stream, 2);
         if (npacks <= 256 * kRowPacks)
           return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks, true>, a, info, threads, smem, stream,
                                     2);
@@ -283,6 +320,14 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
   const size_t cached = (sizeof(A) * num_acc(a.shape.rms) + 2 * sizeof(T)) * static_cast<size_t>(a.shape.cols);
   if (cached <= dynamic_smem_limit(info, 64 * sizeof(A)))
     return launch_slotted<T>(backward_block<T, kPack, true>, a, info, threads, cached, stream);
+  // Longer rows (Hopper: past the 131072 columns of the cluster split): backward_block uncached
+  // ran a slot of rows a block and re-read the column sums every row. H200, session 40, three
+  // kernels instead, us: f32 layer_norm_bwd 256x262144 1371 -> 324 (0.38 -> 1.61x XLA),
+  // 32x2097152 4269 -> 341; bf16 64x1048576 4071 -> 179 (1.92x XLA); rms_norm_bwd f32 64x1048576
+  // 1284 -> 325 (1.02x XLA).
+  if constexpr (kPack * sizeof(T) == 16 && sizeof(T) <= 4) {
+    if (cudaError_t status; backward_long_rows<T, kPack>(a, stream, &status)) return status;
+  }
   return launch_slotted<T>(backward_block<T, kPack, false>, a, info, threads, 0, stream);
 }
 

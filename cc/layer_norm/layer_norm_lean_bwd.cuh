@@ -65,6 +65,57 @@ __device__ __forceinline__ void store_column_sums(float* sacc, int cols, int p, 
   }
 }
 
+// A thread's column sums of pack p (dy * xhat, and dy for layer_norm) from its shared-memory columns.
+template <int kPack, bool kRms>
+__device__ __forceinline__ void load_column_sums(const float* sacc, int cols, int p, float (&as)[kPack],
+                                                 float (&ab)[kPack]) {
+#pragma unroll
+  for (int c = 0; c < kPack; c += 4) {
+    const auto cs = load_pack<float, 4>(sacc + p * kPack + c);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) as[c + i] = cs.v[i];
+    if constexpr (!kRms) {
+      const auto cb = load_pack<float, 4>(sacc + cols + p * kPack + c);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ab[c + i] = cb.v[i];
+    }
+  }
+}
+
+// Copies a block's column sums (its threads' packs) from shared memory to its slot's partial row
+// `out` (dy * xhat, then dy for layer_norm `out_cols` floats on).
+template <int kPack, int kPacks, bool kRms>
+__device__ __forceinline__ void copy_slot_sums(float* out, int64_t out_cols, const float* sacc, int cols, int npacks) {
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int p = threadIdx.x + k * blockDim.x;
+    if (p < npacks) {
+#pragma unroll
+      for (int c = 0; c < kPack; c += 4) {
+        store_pack(out + p * kPack + c, load_pack<float, 4>(sacc + p * kPack + c));
+        if constexpr (!kRms) store_pack(out + out_cols + p * kPack + c, load_pack<float, 4>(sacc + cols + p * kPack + c));
+      }
+    }
+  }
+}
+
+// One pack's terms of a row's dx sums, added in element order: sum(g) (layer_norm) and
+// sum(g * (x - mean)), g = dy * scale rounded once.
+template <class T, int kPack, bool kRms>
+__device__ __forceinline__ void add_row_sums(const Pack<T, kPack>& xq, const Pack<T, kPack>& dq,
+                                             const Pack<T, kPack>& sq, float mean, float& sum_g, float& sum_gxm) {
+  float xf[kPack], df[kPack], sf[kPack];
+  unpack_floats<T, kPack>(xq, xf);
+  unpack_floats<T, kPack>(dq, df);
+  unpack_floats<T, kPack>(sq, sf);
+#pragma unroll
+  for (int e = 0; e < kPack; ++e) {
+    const float gv = mul_rn(df[e], sf[e]);
+    if constexpr (!kRms) sum_g += gv;
+    sum_gxm = fmaf(gv, kRms ? xf[e] : xf[e] - mean, sum_gxm);
+  }
+}
+
 // kPrefetch (session 6): the next row's x, dy, mean and rstd are loaded right after the first
 // pass, so they are in flight during the row reduction's barriers and the second pass (+8
 // registers a pack a thread); otherwise they are loaded after dx is written. (Session 4's
@@ -145,18 +196,7 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
         const int p = threadIdx.x + k * blockDim.x;
-        if (p < npacks) {
-          float xf[kPack], df[kPack], sf[kPack];
-          unpack_floats<T, kPack>(xp[k], xf);
-          unpack_floats<T, kPack>(dp[k], df);
-          unpack_floats<T, kPack>(sp[k], sf);
-#pragma unroll
-          for (int e = 0; e < kPack; ++e) {
-            const float gv = mul_rn(df[e], sf[e]);
-            if constexpr (!kRms) sum_g += gv;
-            sum_gxm = fmaf(gv, kRms ? xf[e] : xf[e] - mean, sum_gxm);
-          }
-        }
+        if (p < npacks) add_row_sums<T, kPack, kRms>(xp[k], dp[k], sp[k], mean, sum_g, sum_gxm);
       }
       Pack<T, kPack> xn[kPacks], dn[kPacks];
       float mean_n = 0.0f, rstd_n = 0.0f;
@@ -193,17 +233,7 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
               ab[e] = racc_b[k][e];
             }
           } else {
-#pragma unroll
-            for (int c = 0; c < kPack; c += 4) {
-              const auto cs = load_pack<float, 4>(sacc + p * kPack + c);
-#pragma unroll
-              for (int i = 0; i < 4; ++i) as[c + i] = cs.v[i];
-              if constexpr (!kRms) {
-                const auto cb = load_pack<float, 4>(sacc + cols + p * kPack + c);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) ab[c + i] = cb.v[i];
-              }
-            }
+            load_column_sums<kPack, kRms>(sacc, cols, p, as, ab);
           }
 #pragma unroll
           for (int e = 0; e < kPack; ++e) {
@@ -250,20 +280,7 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
     }
     if (!kSplit && store_cluster_sums<T>(a, sacc)) continue;
     // Each thread owns its columns for the whole slot: copy them to the slot's partial row.
-    float* out = slot_ptr<T>(a, g, j) + first;
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int p = threadIdx.x + k * blockDim.x;
-      if (p < npacks) {
-#pragma unroll
-        for (int c = 0; c < kPack; c += 4) {
-          store_pack(out + p * kPack + c, load_pack<float, 4>(sacc + p * kPack + c));
-          if constexpr (!kRms)
-            store_pack(out + (kSplit ? s.cols : cols) + p * kPack + c,
-                       load_pack<float, 4>(sacc + cols + p * kPack + c));
-        }
-      }
-    }
+    copy_slot_sums<kPack, kPacks, kRms>(slot_ptr<T>(a, g, j) + first, kSplit ? s.cols : cols, sacc, cols, npacks);
   }
   leave_cluster<kSplit>();
 }
