@@ -89,3 +89,18 @@ def test_masked_softmax_cases_agree_with_xla(op):
     assert not bool(np.all(np.asarray(inputs[-1])))  # some entries masked
     np.testing.assert_allclose(np.asarray(case.jaxops_fn(*inputs)), np.asarray(case.xla_fn(*inputs)),
                                rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("op", ["layer_norm_vmap", "rms_norm_vmap"])
+def test_vmap_norm_cases_agree_with_xla(op):
+    """The per-example-parameter cases time the same forward and gradients on both sides, and
+    only run when named (the default run keeps its case list)."""
+    (case,) = build_cases(Options(ops={op}, dtypes=["float32"], shapes=[(3, 7, 130)], gpu=False))
+    assert case.shape == (3, 7, 130)
+    inputs = case.make_inputs(jax.random.key(5))
+    assert inputs[1].shape == (3, 130)  # a scale row per example
+    got, want = case.jaxops_fn(*inputs), case.xla_fn(*inputs)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+    default = build_cases(Options(ops=None, dtypes=["float32"], shapes=[(3, 7, 130)], gpu=False))
+    assert not any(c.op.endswith("_vmap") for c in default)

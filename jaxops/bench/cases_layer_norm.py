@@ -1,6 +1,10 @@
 """Benchmark cases for layer_norm / rms_norm: forward, backward and forward+backward, against
 jax.jit of the pure-JAX formula (and its jax.vjp), across row lengths.
 
+``layer_norm_vmap`` / ``rms_norm_vmap`` (only when named in --ops; shapes GxRxC) time the
+forward and backward of jax.vmap over G examples that each carry their own scale / bias (the
+kernels' parameter groups), against the vmapped pure-JAX formula.
+
 Byte counts are the minimal traffic of each op: forward reads x and writes y; backward reads x
 and dy and writes dx (the issue's 3-pass bound); forward+backward reads x and dy and writes y
 and dx. The parameters (and the per-row statistics, 8 bytes a row) are added where they are
@@ -25,6 +29,48 @@ def _shapes(options: Options, dtype: str) -> list[tuple[int, int]]:
         return [(s[0], s[1]) for s in options.shapes if len(s) == 2]
     total = GPU_BYTES // itemsize(dtype) if options.gpu else CPU_ELEMENTS
     return [(total // c, c) for c in (GPU_COLS if options.gpu else CPU_COLS)]
+
+
+VMAP_GPU_SHAPES = [(8, 128, 8192), (8, 16, 65536), (8, 4, 524288)]
+VMAP_CPU_SHAPES = [(3, 5, 256)]
+
+
+def _vmap_shapes(options: Options) -> list[tuple[int, int, int]]:
+    if options.shapes:
+        return [(s[0], s[1], s[2]) for s in options.shapes if len(s) == 3]
+    return VMAP_GPU_SHAPES if options.gpu else VMAP_CPU_SHAPES
+
+
+def _vmap_inputs(shape, dt):
+    def make(key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        groups, cols = shape[0], shape[-1]
+        x = (jax.random.normal(k1, shape, jnp.float32) * 2.0 + 0.5).astype(dt)
+        scale = (1.0 + 0.1 * jax.random.normal(k2, (groups, cols), jnp.float32)).astype(dt)
+        bias = (0.1 * jax.random.normal(k3, (groups, cols), jnp.float32)).astype(dt)
+        dy = jax.random.normal(k4, shape, jnp.float32).astype(dt)
+        return x, scale, bias, dy
+
+    return make
+
+
+def _vmap_cases(options: Options, name: str, rms: bool) -> list[Case]:
+    """Forward + backward of the op vmapped over per-example parameters."""
+    op = name + "_vmap"
+    if options.ops is None or op not in options.ops:
+        return []
+    out = []
+    for dtype in options.dtypes:
+        dt, size = dtype_of(dtype), itemsize(dtype)
+        for shape in _vmap_shapes(options):
+            groups, rows, cols = shape
+            params = (1 if rms else 2) * groups * cols * size
+            out.append(Case(
+                op=op, shape=shape, dtype=dtype, make_inputs=_vmap_inputs(shape, dt),
+                jaxops_fn=_vjp(jax.vmap(_ours(rms))), xla_fn=_vjp(jax.vmap(_xla(rms))),
+                bytes=4 * groups * rows * cols * size + 3 * params, x=cols,
+                note="vmap, per-example scale/bias: x,dy->y,dx,dparams"))
+    return out
 
 
 def _xla(rms: bool):
@@ -110,4 +156,5 @@ def cases(options: Options) -> list[Case]:
                         op=name + "_fwd_bwd", shape=(rows, cols), dtype=dtype, make_inputs=make,
                         jaxops_fn=_vjp(fn), xla_fn=_vjp(ref),
                         bytes=4 * n * size + 3 * params, x=cols, note="x,dy->y,dx,dparams"))
+        out += _vmap_cases(options, name, rms)
     return out
