@@ -12,6 +12,8 @@ inputs or outputs; they are a small fraction at these sizes.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -41,19 +43,6 @@ def _vmap_shapes(options: Options) -> list[tuple[int, int, int]]:
     return VMAP_GPU_SHAPES if options.gpu else VMAP_CPU_SHAPES
 
 
-def _vmap_inputs(shape, dt):
-    def make(key):
-        k1, k2, k3, k4 = jax.random.split(key, 4)
-        groups, cols = shape[0], shape[-1]
-        x = (jax.random.normal(k1, shape, jnp.float32) * 2.0 + 0.5).astype(dt)
-        scale = (1.0 + 0.1 * jax.random.normal(k2, (groups, cols), jnp.float32)).astype(dt)
-        bias = (0.1 * jax.random.normal(k3, (groups, cols), jnp.float32)).astype(dt)
-        dy = jax.random.normal(k4, shape, jnp.float32).astype(dt)
-        return x, scale, bias, dy
-
-    return make
-
-
 def _vmap_cases(options: Options, name: str, rms: bool) -> list[Case]:
     """Forward + backward of the op vmapped over per-example parameters."""
     op = name + "_vmap"
@@ -65,8 +54,9 @@ def _vmap_cases(options: Options, name: str, rms: bool) -> list[Case]:
         for shape in _vmap_shapes(options):
             groups, rows, cols = shape
             params = (1 if rms else 2) * groups * cols * size
+            make = functools.partial(_random_inputs, shape=shape, param_shape=(groups, cols), dt=dt)
             out.append(Case(
-                op=op, shape=shape, dtype=dtype, make_inputs=_vmap_inputs(shape, dt),
+                op=op, shape=shape, dtype=dtype, make_inputs=make,
                 jaxops_fn=_vjp(jax.vmap(_ours(rms))), xla_fn=_vjp(jax.vmap(_xla(rms))),
                 bytes=4 * groups * rows * cols * size + 3 * params, x=cols,
                 note="vmap, per-example scale/bias: x,dy->y,dx,dparams"))
@@ -110,14 +100,19 @@ def _xla_backward(fn):
     return run
 
 
+def _random_inputs(key, shape, param_shape, dt):
+    """x (offset, so the mean matters), scale, bias of `param_shape`, and the cotangent dy."""
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    x = (jax.random.normal(k1, shape, jnp.float32) * 2.0 + 0.5).astype(dt)
+    scale = (1.0 + 0.1 * jax.random.normal(k2, param_shape, jnp.float32)).astype(dt)
+    bias = (0.1 * jax.random.normal(k3, param_shape, jnp.float32)).astype(dt)
+    dy = jax.random.normal(k4, shape, jnp.float32).astype(dt)
+    return x, scale, bias, dy
+
+
 def _inputs(shape, dt, rms: bool):
     def make(key):
-        k1, k2, k3, k4 = jax.random.split(key, 4)
-        cols = shape[-1]
-        x = (jax.random.normal(k1, shape, jnp.float32) * 2.0 + 0.5).astype(dt)
-        scale = (1.0 + 0.1 * jax.random.normal(k2, (cols,), jnp.float32)).astype(dt)
-        bias = (0.1 * jax.random.normal(k3, (cols,), jnp.float32)).astype(dt)
-        dy = jax.random.normal(k4, shape, jnp.float32).astype(dt)
+        x, scale, bias, dy = _random_inputs(key, shape, shape[-1:], dt)
         if rms:
             _, rstd = ln._rms_forward(x, scale, 1e-6)
             mean = rstd
