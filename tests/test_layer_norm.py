@@ -354,8 +354,14 @@ def test_long_rows_backward_gpu(key, dtype, groups, rows, cols):
     # block per row and chunk of 1024 packs; 131080 16-bit columns end in a chunk of one pack),
     # long_row_coefs, long_row_dx (a block per column tile and parameter group walks the group's
     # rows four at a time: 1, 2, 3, 5 and 7 rows leave partial steps). Groups > 1: per-example
-    # parameters under vmap. Both ops' gradients against the references; dscale / dbias
-    # bit-identical over two runs.
+    # parameters under vmap.
+    _check_grouped(key, dtype, groups, rows, cols)
+
+
+def _check_grouped(key, dtype, groups, rows, cols):
+    """Per-example parameters (jax.vmap over x, scale, bias: `groups` groups of `rows` rows):
+    both ops' outputs and gradients against the references; dscale / dbias bit-identical over
+    two runs."""
     k1, k2, k3, k4 = jax.random.split(key, 4)
     x = normal(k1, (groups, rows, cols), dtype, scale=2.0) + jnp.asarray(3.0, dtype)
     scale = (1.0 + 0.1 * normal(k2, (groups, cols), jnp.float32)).astype(dtype)
@@ -367,6 +373,7 @@ def test_long_rows_backward_gpu(key, dtype, groups, rows, cols):
 
     ln_args, rms_args = (x, scale, bias), (x, scale)
     for f, ref, args in ((jaxops.layer_norm, ln_ref, ln_args), (jaxops.rms_norm, rms_ref, rms_args)):
+        close(jax.jit(jax.vmap(f))(*args), jax.vmap(ref)(*args), dtype)
         argnums = tuple(range(len(args)))
         grad = jax.jit(jax.grad(loss(f), argnums))
         got, again = grad(*args), grad(*args)
@@ -377,10 +384,24 @@ def test_long_rows_backward_gpu(key, dtype, groups, rows, cols):
 
 
 @gpu_only
+@pytest.mark.parametrize("dtype,groups,rows,cols", [(jnp.float32, 8, 16, 65536), (jnp.bfloat16, 8, 16, 65536),
+                                                    (jnp.float32, 8, 128, 8192), (jnp.bfloat16, 3, 100, 12296),
+                                                    (jnp.float16, 300, 2, 2056), (jnp.float32, 5, 3, 40000),
+                                                    (jnp.bfloat16, 4, 70, 4096)])
+def test_grouped_rows_gpu(key, dtype, groups, rows, cols):
+    # Per-example parameters (vmap) on the paths session 41 opened to them: forwards of 2056+
+    # columns take forward_block_lean with the row's group (kGroups; 8192 f32, 4096 / 12296 16-bit)
+    # and rows past a block's shared memory split over a cluster (40000, 65536); backward slots
+    # per group fill at most the resident blocks, and reduce_slots takes 2 lanes for <= 8 slots a
+    # group (16 rows of 65536, 300 groups of 2 rows: more groups than blocks), 8 for 9-64.
+    _check_grouped(key, dtype, groups, rows, cols)
+
+
+@gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_long_rows_grouped_forward_gpu(key, dtype):
-    # Per-example parameters (vmap: groups > 1) never split: 524296-column rows take
-    # forward_uncached with whole 16-byte packs.
+    # Per-example parameters (vmap: groups > 1), 524296-column rows: the split over 16 blocks
+    # that re-read their parts from L2 (forward_uncached before session 41).
     k1, k2, k3 = jax.random.split(key, 3)
     cols = 524296
     x = normal(k1, (2, 2, cols), dtype, scale=2.0) + jnp.asarray(3.0, dtype)
@@ -618,25 +639,28 @@ def test_widest_team_forward_gpu(key, monkeypatch, widest, dtype, cols):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("cols", [2056, 4096, 6152, 8192])
+@pytest.mark.parametrize("cols", [2056, 4096, 6152, 8192, 12296, 16384])
 def test_lean_block_forward_gpu(key, dtype, cols):
     # forward_block_lean (session 5): one block per row, row cached in shared memory, for 16-byte
-    # packs with one parameter group, past the widest team (2048 columns). 2056 / 6152 leave the
-    # last load chunk of 4 packs a thread partly past the row; rows far from zero check
-    # the shift (first element) and the saved mean / rstd (through the gradients and the float64
-    # formula). Per-example parameters (vmap, groups > 1) take forward_block: checked too.
+    # packs with one parameter group, past the widest team (2048 columns). layer_norm rows of
+    # 16-32 KB (float 6152 / 8192, 16-bit 12296 / 16384) take forward_block_async instead
+    # (session 41: next row by cp.async, persistent grid, 2500 rows = several a block).
+    # 2056 / 6152 leave the last load chunk of 4 packs a thread partly past the row; rows far
+    # from zero check the shift (first element) and the saved mean / rstd (through the gradients
+    # and the float64 formula). Per-example parameters (vmap, groups > 1) take forward_block: checked too.
     _check_lean_forward(key, dtype, rows=2500, cols=cols, grad_rows=600, vmap_rows=10)
 
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("rows", [1, 3, 9, 131, 4103])
-@pytest.mark.parametrize("cols", [8, 128, 1024, 1536, 2056, 4096])
+@pytest.mark.parametrize("cols", [8, 128, 1024, 1536, 2056, 4096, 8192])
 def test_forward_grid_partial_blocks_gpu(key, dtype, rows, cols):
     # Non-persistent forward grids (session 5: grid = ceil(rows / rows a block), one row group a
     # block): row counts that leave the last block partly empty (lean team blocks hold 4-256 rows:
     # 16-bit one row a team, float two) or give fewer blocks than SMs, for the narrow (8, 128),
-    # wide (1024, 1536) and block (2056, 4096) lean kernels.
+    # wide (1024, 1536) and block (2056, 4096) lean kernels; float32 8192: the persistent
+    # forward_block_async with fewer rows than blocks (a block's only request is its first row).
     _check_forward(key, dtype, rows, cols, 1.5)
 
 

@@ -35,20 +35,30 @@ struct SlotPlan {
   int64_t grid = 1;
 };
 
-SlotPlan plan_slots(const BackwardArgs& a, const cuda::DeviceInfo& info, int blocks_per_sm) {
+// Slots per group: the groups' slots together fill at most `resident` blocks (or clusters), so
+// that no block runs a second slot while others idle. Rounding up, as before session 41, gave 8
+// groups (vmap) 17 slots each for 132 blocks: 4 blocks ran two slots, and the f32 backward of
+// 8x128x8192 took 59 us instead of about 30.
+int64_t slots_per_group(const BackwardArgs& a, int64_t resident) {
   const Shape& s = a.shape;
+  return std::clamp<int64_t>(resident / s.groups, 1, std::min(a.slots_per_group, s.rows_per_group));
+}
+
+SlotPlan plan_slots(const BackwardArgs& a, const cuda::DeviceInfo& info, int blocks_per_sm) {
   const int64_t target = int64_t{info.sm_count} * blocks_per_sm;
   SlotPlan p;
-  p.used = std::clamp<int64_t>((target + s.groups - 1) / s.groups, 1,
-                               std::min(a.slots_per_group, s.rows_per_group));
-  p.grid = std::min(s.groups * p.used, target);
+  p.used = slots_per_group(a, target);
+  p.grid = std::min(a.shape.groups * p.used, target);
   return p;
 }
 
 template <class T>
 cudaError_t launch_reduce(const BackwardArgs& a, int64_t used, cudaStream_t stream) {
   const int64_t blocks = (a.shape.cols + 31) / 32 * a.shape.groups * num_acc(a.shape.rms);
-  return cuda::launch_kernel(reduce_slots<T>, static_cast<unsigned>(blocks), dim3(32, kSlotLanes), 0, stream, a, used);
+  const auto kernel = slot_lanes(used) == kSlotLanes ? reduce_slots<T, kSlotLanes>
+                      : slot_lanes(used) == 8        ? reduce_slots<T, 8>
+                                                     : reduce_slots<T, 2>;
+  return cuda::launch_kernel(kernel, static_cast<unsigned>(blocks), dim3(32, slot_lanes(used)), 0, stream, a, used);
 }
 
 // Blocks per cluster of a kernel that adds its column sums across a cluster (store_cluster_sums):
@@ -113,8 +123,7 @@ bool launch_split(Kernel kernel, const BackwardArgs& a, const cuda::DeviceInfo& 
   const size_t smem = sizeof(acc_t<T>) * num_acc(s.rms) * static_cast<size_t>(per * kPack);
   const int64_t resident = cuda::remembered_resident_clusters(kernel, threads, smem, n, info);
   if (resident < 1) return false;
-  const int64_t used =
-      std::clamp<int64_t>((resident + s.groups - 1) / s.groups, 1, std::min(a.slots_per_group, s.rows_per_group));
+  const int64_t used = slots_per_group(a, resident);
   *status = cuda::launch_clustered(kernel, std::min(s.groups * used, resident) * n, threads, smem, n, stream, a, used);
   if (*status == cudaSuccess) *status = launch_reduce<T>(a, used, stream);
   return true;
@@ -310,6 +319,14 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
         return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks>, a, info, threads, smem, stream, 2);
       } else {
         // float: clusters of 2 measured 0-2.5 us faster at 4096 / 8192 columns (session 8).
+        // Past 2048 columns the next row's x and dy come by cp.async into shared memory behind the
+        // column sums (session 41, H200, us, default / async): layer_norm_bwd 8192x8192 236.5 /
+        // 211.7, 16384x4096 221.9 / 215.3, 32768x2048 221.7 / 223.5; rms_norm_bwd 224.8 / 208.2,
+        // 215.1 / 212.9, 214.1 / 217.4. At 2048 columns 2 blocks an SM already overlap rows. The
+        // 16-bit kernels lost with it (bf16 layer_norm_bwd 8192x8192 128.7 -> 142.9 us).
+        if (npacks > 512)
+          return launch_slotted<T>(backward_rows<T, kPack, kRowPacks, false, true>, a, info, threads,
+                                    smem + 2 * sizeof(T) * static_cast<size_t>(a.shape.cols), stream, 2);
         return launch_slotted<T>(backward_rows<T, kPack, kRowPacks>, a, info, threads, smem, stream, 2);
       }
     }

@@ -1,6 +1,8 @@
 // layer_norm / rms_norm backward kernels: dx by team, warp, block and row-group kernels, with the
 // per-slot parameter-gradient partials and their fixed-order reduction (reduce_slots).
 #pragma once
+#include <cuda_pipeline.h>
+
 #include "layer_norm/layer_norm_kernels.cuh"
 #include "layer_norm/layer_norm_split.cuh"
 
@@ -412,21 +414,53 @@ __global__ void __launch_bounds__(1024) backward_block(BackwardArgs a, int64_t u
   }
 }
 
-// Loads this thread's packs (threadIdx.x + k * blockDim.x) of one row of x and dy.
+// f(k, p) for this thread's packs p = threadIdx.x + k * blockDim.x of a row (k < kPacks), those
+// inside the row. Pack indices are 32-bit (npacks <= 512 * kPacks here): fewer 64-bit address
+// registers.
+template <int kPacks, class F>
+__device__ __forceinline__ void for_thread_packs(int npacks, F&& f) {
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int p = threadIdx.x + k * blockDim.x;
+    if (p < npacks) f(k, p);
+  }
+}
+
+// Loads this thread's packs of one row of x and dy.
 template <class T, int kPack, int kPacks>
-// Pack indices are 32-bit (npacks <= 512 * kPacks here): fewer 64-bit address registers.
 __device__ __forceinline__ void load_row_packs(const T* x, const T* dy, int64_t row, int64_t cols, int npacks,
                                                Pack<T, kPack> (&xp)[kPacks], Pack<T, kPack> (&dp)[kPacks]) {
   const T* xr = x + row * cols;
   const T* dyr = dy + row * cols;
-#pragma unroll
-  for (int k = 0; k < kPacks; ++k) {
-    const int p = threadIdx.x + k * blockDim.x;
-    if (p < npacks) {
-      xp[k] = load_pack<T, kPack>(xr + p * kPack);
-      dp[k] = load_pack<T, kPack>(dyr + p * kPack);
-    }
-  }
+  for_thread_packs<kPacks>(npacks, [&](int k, int p) {
+    xp[k] = load_pack<T, kPack>(xr + p * kPack);
+    dp[k] = load_pack<T, kPack>(dyr + p * kPack);
+  });
+}
+
+// A row's x and dy packs of this thread requested by cp.async into shared memory (xs / ds: the
+// block's columns), and read back into registers after __pipeline_wait_prior. Each thread copies
+// and reads only its own packs, so no barrier is needed.
+template <class T, int kPack, int kPacks>
+__device__ __forceinline__ void request_row_packs(T* xs, T* ds, const T* x, const T* dy, int64_t row, int64_t cols,
+                                                  int npacks) {
+  const T* xr = x + row * cols;
+  const T* dyr = dy + row * cols;
+  for_thread_packs<kPacks>(npacks, [&](int, int p) {
+    __pipeline_memcpy_async(xs + p * kPack, xr + p * kPack, 16);
+    __pipeline_memcpy_async(ds + p * kPack, dyr + p * kPack, 16);
+  });
+  __pipeline_commit();
+}
+
+template <class T, int kPack, int kPacks>
+__device__ __forceinline__ void staged_row_packs(const T* xs, const T* ds, int npacks, Pack<T, kPack> (&xp)[kPacks],
+                                                 Pack<T, kPack> (&dp)[kPacks]) {
+  __pipeline_wait_prior(0);
+  for_thread_packs<kPacks>(npacks, [&](int k, int p) {
+    xp[k] = load_pack<T, kPack>(xs + p * kPack);
+    dp[k] = load_pack<T, kPack>(ds + p * kPack);
+  });
 }
 
 // One block per row for float rows of up to kPacks * 512 16-byte packs (2048-8192 columns),
@@ -443,7 +477,11 @@ __device__ __forceinline__ void load_row_packs(const T* x, const T* dy, int64_t 
 // backward_rows_lean (session 5); the register-accumulator branch for them was removed (session 6).
 // kSplit (session 32): the row's packs are split over the blocks of a cluster
 // (layer_norm_split.cuh); this block sees only its own `cols` columns, from `first` on.
-template <class T, int kPack, int kPacks, bool kSplit = false>
+// kAsync (session 41; unsplit only): the next row's x and dy come by cp.async into shared memory
+// behind the column sums ([2][cols] of T) while this row is reduced and written. Without it the
+// next row's loads start only after this row's dx writes, and with one block an SM (8192 columns)
+// DRAM reads pause for every row's block sum.
+template <class T, int kPack, int kPacks, bool kSplit = false, bool kAsync = false>
 __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t used) {
   cuda::enter_kernel();
   using A = acc_t<T>;
@@ -460,6 +498,8 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
   const T* x = static_cast<const T*>(a.x) + first;
   const T* dy = static_cast<const T*>(a.dy) + first;
   T* dx = static_cast<T*>(a.dx) + first;
+  T* const xs = reinterpret_cast<T*>(sacc + nacc * cols);  // (kAsync only)
+  T* const ds = xs + cols;
   int parity = 0;
   for (int64_t slot = part.slot0; slot < s.groups * used; slot += part.slot_step) {
     const int64_t g = slot / used, j = slot % used;
@@ -493,6 +533,9 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
         const int p = threadIdx.x + k * blockDim.x;
         if (p < npacks)
           pack_sums<T, kPack>(xp[k], dp[k], load_pack<T, kPack>(scale + p * kPack), mean, rstd, sum_g, sum_gx);
+      }
+      if constexpr (kAsync) {
+        if (row + 1 < end) request_row_packs<T, kPack, kPacks>(xs, ds, x, dy, row + 1, s.cols, npacks);
       }
       if constexpr (kSplit) split_row_sums<kSplit>(sum_g, sum_gx, parts, parity);
       else block_sum2(sum_g, sum_gx, scratch);
@@ -529,7 +572,11 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
         }
       }
       if (row + 1 < end) {
-        load_row_packs<T, kPack, kPacks>(x, dy, row + 1, s.cols, npacks, xp, dp);
+        if constexpr (kAsync) {
+          staged_row_packs<T, kPack, kPacks>(xs, ds, npacks, xp, dp);
+        } else {
+          load_row_packs<T, kPack, kPacks>(x, dy, row + 1, s.cols, npacks, xp, dp);
+        }
         row_stats<T>(a, row + 1, mean, rstd);
       }
     }
@@ -552,19 +599,24 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
 }
 
 // dscale[g][c] (and dbias) = sum over the first `used` slots of group g, in slot order.
-// Block (32 columns) x (kSlotLanes slot lanes): lane y adds slots y, y + kSlotLanes, ...; the
-// lane sums are then added in lane order, so the result does not depend on the launch. The 1-D
-// grid walks column tiles fastest, then (group, accumulator) pairs. nvcc unrolls the slot loop
-// 16 deep (16 loads in flight a thread): with 8 lanes (sessions 1-5) a 4096-column backward's 528
-// slots took 4-5 such round trips per thread on 256 blocks, 1024 columns (264 slots) 2-3 on
-// only 64 blocks; 32 lanes (session 6) take 1-2 and 4x the warps (H100: 0-4 us faster a backward).
+// Block (32 columns) x (kLanes slot lanes): lane y adds slots y, y + kLanes, ...; the lane sums
+// are then added in lane order, so the result depends only on `used` (the shape and the device),
+// not on the launch. The 1-D grid walks column tiles fastest, then (group, accumulator) pairs.
+// nvcc unrolls the slot loop 16 deep (16 loads in flight a thread): with 8 lanes (sessions 1-5) a
+// 4096-column backward's 528 slots took 4-5 such round trips per thread on 256 blocks, 1024
+// columns (264 slots) 2-3 on only 64 blocks; 32 lanes (session 6) take 1-2 and 4x the warps
+// (H100: 0-4 us faster a backward). Few slots a group (per-example parameters under vmap: 8
+// groups of 16 rows of 65536 columns left 2 slots a group) take fewer lanes (slot_lanes): 32
+// lanes there ran 32768 blocks of 1024 threads, 30 of every 32 idle, for 230 us (session 41).
 constexpr int kSlotLanes = 32;
 
-template <class T>
-__global__ void __launch_bounds__(32 * kSlotLanes) reduce_slots(BackwardArgs a, int64_t used) {
+inline int slot_lanes(int64_t used) { return used > 64 ? kSlotLanes : used > 8 ? 8 : 2; }
+
+template <class T, int kLanes>
+__global__ void __launch_bounds__(32 * kLanes) reduce_slots(BackwardArgs a, int64_t used) {
   cuda::enter_kernel();
   using A = acc_t<T>;
-  __shared__ A part[kSlotLanes][33];
+  __shared__ A part[kLanes][33];
   const Shape s = a.shape;
   const int nacc = num_acc(s.rms);
   const int64_t tiles = (s.cols + 31) / 32;
@@ -574,13 +626,13 @@ __global__ void __launch_bounds__(32 * kSlotLanes) reduce_slots(BackwardArgs a, 
   const int which = static_cast<int>(pair % nacc);
   A sum = 0;
   if (c < s.cols)
-    for (int64_t j = threadIdx.y; j < used; j += kSlotLanes) sum += slot_ptr<T>(a, g, j)[which * s.cols + c];
+    for (int64_t j = threadIdx.y; j < used; j += kLanes) sum += slot_ptr<T>(a, g, j)[which * s.cols + c];
   part[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();
   if (threadIdx.y == 0 && c < s.cols) {
     A total = 0;
 #pragma unroll
-    for (int y = 0; y < kSlotLanes; ++y) total += part[y][threadIdx.x];
+    for (int y = 0; y < kLanes; ++y) total += part[y][threadIdx.x];
     T* out = static_cast<T*>(which == 0 ? a.dscale : a.dbias);
     out[g * s.cols + c] = from_acc<T>(total);
   }

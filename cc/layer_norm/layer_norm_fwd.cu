@@ -6,6 +6,7 @@
 #include "layer_norm/layer_norm_fwd_kernels.cuh"
 #include "layer_norm/layer_norm_launch.cuh"
 #include "layer_norm/layer_norm_lean.cuh"
+#include "layer_norm/layer_norm_async_fwd.cuh"
 #include "layer_norm/layer_norm_lean_block.cuh"
 
 namespace jaxops::layer_norm {
@@ -130,16 +131,18 @@ constexpr int kFromL2Threads = 512;
 template <class T, int kPack>
 bool forward_split(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream, cudaError_t* status) {
   if constexpr (kLeanType<T, kPack>) {
-    if (info.cc_major < 9 || !lean_forward<T, kPack>(a)) return false;
+    if (info.cc_major < 9) return false;
+    const bool grouped = a.shape.groups > 1;  // per-example parameters (vmap)
     const int64_t npacks = a.shape.cols / kPack, pack_bytes = kPack * sizeof(T);
     const int64_t n = std::clamp<int64_t>((npacks * pack_bytes + kShareBytes - 1) / kShareBytes, 2, 16);
     const int64_t per = (npacks + n - 1) / n;
     const size_t smem = static_cast<size_t>(per * pack_bytes);
-    auto kernel = forward_block_lean<T, kPack, true>;
+    auto kernel = grouped ? forward_block_lean<T, kPack, true, false, true> : forward_block_lean<T, kPack, true>;
     int threads = block_threads(per, 8);
     size_t launch_smem = smem;
     if (smem > std::min<size_t>(kMaxShareBytes, dynamic_smem_limit(info, 64 * sizeof(float) + 512))) {
-      kernel = forward_block_lean<T, kPack, true, true>;  // nothing cached: parts re-read from L2
+      // nothing cached: parts re-read from L2
+      kernel = grouped ? forward_block_lean<T, kPack, true, true, true> : forward_block_lean<T, kPack, true, true>;
       threads = kFromL2Threads;
       launch_smem = 0;
     }
@@ -211,12 +214,28 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
         if constexpr (sizeof(T) == 2)  // 48 registers, 5 blocks of 256 an SM (see the kernel)
           if (threads <= 256) kernel = forward_block_lean_256<T, kPack>;
         persistent = false;
+      } else {  // per-example parameters (vmap; session 41: forward_block before)
+        kernel = forward_block_lean<T, kPack, false, false, true>;
+        persistent = false;
+      }
+    }
+    // layer_norm rows of 16-32 KB: the next row by cp.async into a second buffer, persistent
+    // (layer_norm_async_fwd.cuh). Session 41, H200, us, lean / async: f32 8192x8192 147.5 / 141.2
+    // (0.859 -> 0.898 of copy), bf16 4096x16384 81.7 / 74.3; level or up to 6 % slower at 16 KB
+    // rows (f32 16384x4096 144.1 / 144.0, bf16 8192x8192 74.0 / 74.6, bf16 16384x4096 71.8 / 76.1).
+    size_t launch_smem = smem;
+    if constexpr (kLeanType<T, kPack>) {
+      if (lean_forward<T, kPack>(a) && !a.shape.rms && smem > kShareBytes / 2 && threads <= kAsyncForwardThreads &&
+          2 * smem <= dynamic_smem_limit(info, 64 * sizeof(A))) {
+        kernel = forward_block_async<T, kPack>;
+        launch_smem = 2 * smem;
+        persistent = true;
       }
     }
     int per_sm = 1;
-    if (cudaError_t err = prepare(kernel, threads, smem, info, &per_sm); err != cudaSuccess) return err;
+    if (cudaError_t err = prepare(kernel, threads, launch_smem, info, &per_sm); err != cudaSuccess) return err;
     const int64_t grid = forward_grid(a.shape.rows, 1, persistent, per_sm, info);
-    return cuda::launch_kernel(kernel, static_cast<unsigned>(grid), threads, smem, stream, a);
+    return cuda::launch_kernel(kernel, static_cast<unsigned>(grid), threads, launch_smem, stream, a);
   }
   if (cudaError_t status; forward_split<T, kPack>(a, info, stream, &status)) return status;
   auto kernel = forward_uncached<T, kPack>;

@@ -6,7 +6,7 @@
 // rsqrtf (no IEEE division or sqrt per row), one-instruction bf16 conversions and packed F2FP
 // stores (unpack_floats / pack_floats), y = fma(fma(x - shift, rstd, -mean_rel * rstd), s, b),
 // 32-bit pack indices and no 64-bit `row / rows_per_group` per pack for the scale / bias loads
-// (groups == 1), and a block sum with a lane tree instead of a serial loop over the warps.
+// (groups == 1; kGroups: once a row), and a block sum with a lane tree instead of a serial loop over the warps.
 #pragma once
 #include "layer_norm/layer_norm_lean.cuh"
 #include "layer_norm/layer_norm_lean_bwd.cuh"
@@ -22,7 +22,10 @@ namespace jaxops::layer_norm {
 // Its write pass walks the part backwards (session 40), so that the first re-reads are of the packs
 // the load pass read last, the likeliest still in L2: H200, f32 rms_norm 128x524288 213 -> 207 us,
 // rms_norm 2.4 % faster over six shapes, layer_norm level (+-2 %); bit-identical.
-template <class T, int kPack, bool kRms, bool kSplit = false, bool kFromL2 = false>
+// kGroups (session 41): per-example parameters (vmap, groups > 1), the row's scale / bias found
+// once a row (row / rows_per_group); before, these rows took forward_block / forward_uncached,
+// which ran the vmap benchmark's forwards at 0.3-0.6 of the copy bandwidth.
+template <class T, int kPack, bool kRms, bool kSplit = false, bool kFromL2 = false, bool kGroups = false>
 __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, float2* scratch,
                                                         float2 (*parts)[32]) {
   constexpr int kLoadChunk = 4, kWriteChunk = sizeof(T) == 4 ? 2 : 1;
@@ -35,8 +38,8 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
   const auto [inv_cols, eps, x_row0, y_row0, scale_all, bias_all] = lean_setup<T>(a);
   const T* x = x_row0 + first;
   T* y = y_row0 + first;
-  const T* scale = scale_all + first;
-  const T* bias = kRms ? nullptr : bias_all + first;
+  const T* scale0 = scale_all + first;
+  const T* bias0 = kRms ? nullptr : bias_all + first;
   int parity = 0;
   for (int64_t row = kSplit ? part.slot0 : blockIdx.x; row < s.rows; row += kSplit ? part.slot_step : gridDim.x) {
     const T* xr = x + row * s.cols;
@@ -91,6 +94,9 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
     const float rstd = rsqrtf(var + eps);
     const float c = kRms ? 0.0f : -mean_rel * rstd;
     T* yr = y + row * s.cols;
+    const int64_t group_offset = kGroups ? row / s.rows_per_group * s.cols : 0;
+    const T* scale = scale0 + group_offset;
+    const T* bias = kRms ? nullptr : bias0 + group_offset;
     constexpr bool kReverse = kFromL2;
     const int write_step = kWriteChunk * blockDim.x;
     const int last_p0 = threadIdx.x + (npacks > 0 ? (npacks - 1) / write_step * write_step : 0);
@@ -131,19 +137,19 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
   leave_cluster<kSplit>();
 }
 
-template <class T, int kPack, bool kSplit = false, bool kFromL2 = false>
+template <class T, int kPack, bool kSplit = false, bool kFromL2 = false, bool kGroups = false>
 __device__ __forceinline__ void forward_block_lean_kernel_body(const ForwardArgs& a) {
   static_assert(sizeof(T) <= 4 && kPack * sizeof(T) == 16, "16-byte packs of float / 16-bit types");
   __shared__ float2 scratch[32];  // (one array for both bodies: 256 bytes, as forward_block)
   __shared__ float2 parts[kSplit ? 2 : 1][32];  // (split rows only)
-  if (a.shape.rms) forward_block_lean_body<T, kPack, true, kSplit, kFromL2>(a, scratch, parts);
-  else forward_block_lean_body<T, kPack, false, kSplit, kFromL2>(a, scratch, parts);
+  if (a.shape.rms) forward_block_lean_body<T, kPack, true, kSplit, kFromL2, kGroups>(a, scratch, parts);
+  else forward_block_lean_body<T, kPack, false, kSplit, kFromL2, kGroups>(a, scratch, parts);
 }
 
-template <class T, int kPack, bool kSplit = false, bool kFromL2 = false>
+template <class T, int kPack, bool kSplit = false, bool kFromL2 = false, bool kGroups = false>
 __global__ void __launch_bounds__(1024) forward_block_lean(ForwardArgs a) {
   cuda::enter_kernel();
-  forward_block_lean_kernel_body<T, kPack, kSplit, kFromL2>(a);
+  forward_block_lean_kernel_body<T, kPack, kSplit, kFromL2, kGroups>(a);
 }
 
 // Session 6: the same kernel for <= 256 threads, capped at 48 registers. ptxas gives
