@@ -387,13 +387,14 @@ def _check_grouped(key, dtype, groups, rows, cols):
 @pytest.mark.parametrize("dtype,groups,rows,cols", [(jnp.float32, 8, 16, 65536), (jnp.bfloat16, 8, 16, 65536),
                                                     (jnp.float32, 8, 128, 8192), (jnp.bfloat16, 3, 100, 12296),
                                                     (jnp.float16, 300, 2, 2056), (jnp.float32, 5, 3, 40000),
-                                                    (jnp.bfloat16, 4, 70, 4096)])
+                                                    (jnp.bfloat16, 4, 70, 4096), (jnp.float32, 3, 40, 8192)])
 def test_grouped_rows_gpu(key, dtype, groups, rows, cols):
     # Per-example parameters (vmap) on the paths session 41 opened to them: forwards of 2056+
     # columns take forward_block_lean with the row's group (kGroups; 8192 f32, 4096 / 12296 16-bit)
     # and rows past a block's shared memory split over a cluster (40000, 65536); backward slots
-    # per group fill at most the resident blocks, and reduce_slots takes 2 lanes for <= 8 slots a
-    # group (16 rows of 65536, 300 groups of 2 rows: more groups than blocks), 8 for 9-64.
+    # per group fill at most the resident blocks; groups of <= 16 slots are added by
+    # reduce_few_slots (16 rows of 65536, 8 groups of 128 rows of 8192, 300 groups of 2 rows: more
+    # groups than blocks), of 17-64 by reduce_slots with 8 lanes (3 groups of 40 rows of 8192).
     _check_grouped(key, dtype, groups, rows, cols)
 
 

@@ -54,10 +54,12 @@ SlotPlan plan_slots(const BackwardArgs& a, const cuda::DeviceInfo& info, int blo
 
 template <class T>
 cudaError_t launch_reduce(const BackwardArgs& a, int64_t used, cudaStream_t stream) {
+  const int64_t outputs = a.shape.cols * a.shape.groups * num_acc(a.shape.rms);
+  if (used <= kFewSlots)
+    return cuda::launch_kernel(reduce_few_slots<T>, static_cast<unsigned>((outputs + 255) / 256), 256, 0, stream, a,
+                               used);
+  const auto kernel = slot_lanes(used) == kSlotLanes ? reduce_slots<T, kSlotLanes> : reduce_slots<T, 8>;
   const int64_t blocks = (a.shape.cols + 31) / 32 * a.shape.groups * num_acc(a.shape.rms);
-  const auto kernel = slot_lanes(used) == kSlotLanes ? reduce_slots<T, kSlotLanes>
-                      : slot_lanes(used) == 8        ? reduce_slots<T, 8>
-                                                     : reduce_slots<T, 2>;
   return cuda::launch_kernel(kernel, static_cast<unsigned>(blocks), dim3(32, slot_lanes(used)), 0, stream, a, used);
 }
 

@@ -605,12 +605,33 @@ __global__ void __launch_bounds__(512) backward_rows(BackwardArgs a, int64_t use
 // nvcc unrolls the slot loop 16 deep (16 loads in flight a thread): with 8 lanes (sessions 1-5) a
 // 4096-column backward's 528 slots took 4-5 such round trips per thread on 256 blocks, 1024
 // columns (264 slots) 2-3 on only 64 blocks; 32 lanes (session 6) take 1-2 and 4x the warps
-// (H100: 0-4 us faster a backward). Few slots a group (per-example parameters under vmap: 8
-// groups of 16 rows of 65536 columns left 2 slots a group) take fewer lanes (slot_lanes): 32
-// lanes there ran 32768 blocks of 1024 threads, 30 of every 32 idle, for 230 us (session 41).
+// (H100: 0-4 us faster a backward). Groups of few slots (per-example parameters under vmap: 8
+// groups of 16 rows of 65536 columns left 2 slots a group) ran 32768 blocks of 1024 threads, 30
+// of every 32 idle, for 230 us (session 41): 17-64 slots take 8 lanes, fewer reduce_few_slots.
 constexpr int kSlotLanes = 32;
+constexpr int64_t kFewSlots = 16;
 
-inline int slot_lanes(int64_t used) { return used > 64 ? kSlotLanes : used > 8 ? 8 : 2; }
+inline int slot_lanes(int64_t used) { return used > 64 ? kSlotLanes : 8; }
+
+// A thread per (group, accumulator, column) adds the group's `used` <= kFewSlots slots in slot
+// order; 256 threads a block along the columns.
+template <class T>
+__global__ void __launch_bounds__(256) reduce_few_slots(BackwardArgs a, int64_t used) {
+  cuda::enter_kernel();
+  using A = acc_t<T>;
+  const Shape s = a.shape;
+  const int nacc = num_acc(s.rms);
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i >= s.groups * nacc * s.cols) return;
+  const int64_t c = i % s.cols, pair = i / s.cols;
+  const int64_t g = pair / nacc;
+  const int which = static_cast<int>(pair % nacc);
+  A sum = 0;
+#pragma unroll 4
+  for (int64_t j = 0; j < used; ++j) sum += slot_ptr<T>(a, g, j)[which * s.cols + c];
+  T* out = static_cast<T*>(which == 0 ? a.dscale : a.dbias);
+  out[g * s.cols + c] = from_acc<T>(sum);
+}
 
 template <class T, int kLanes>
 __global__ void __launch_bounds__(32 * kLanes) reduce_slots(BackwardArgs a, int64_t used) {
