@@ -33,7 +33,9 @@ def _shapes(options: Options, dtype: str) -> list[tuple[int, int]]:
     return [(total // c, c) for c in (GPU_COLS if options.gpu else CPU_COLS)]
 
 
-VMAP_GPU_SHAPES = [(8, 128, 8192), (8, 16, 65536), (8, 4, 524288)]
+# 1024 columns: the short-row team forward and the 16-bit lean backward with parameter groups
+# (added after session 41 measured the other three; not measured yet).
+VMAP_GPU_SHAPES = [(8, 4096, 1024), (8, 128, 8192), (8, 16, 65536), (8, 4, 524288)]
 VMAP_CPU_SHAPES = [(3, 5, 256)]
 
 
