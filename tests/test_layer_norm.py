@@ -597,8 +597,8 @@ def test_misaligned_rows_fall_back_to_scalar_packs(key):
 
 def _check_lean_forward(key, dtype, rows, cols, grad_rows, vmap_rows):
     """The lean forward kernels' checks: both ops against the references, y against the float64
-    formula, gradients through the saved mean / rstd, and per-example parameters under vmap (they
-    take the older kernels)."""
+    formula, gradients through the saved mean / rstd, and per-example parameters under vmap (the
+    team widths take forward_team; block widths forward_block_lean with groups since session 41)."""
     k1, k2 = jax.random.split(key)
     x = normal(k1, (rows, cols), dtype, scale=2.0) + jnp.asarray(3.0, dtype)
     scale, bias = params(k2, cols, dtype)
@@ -648,7 +648,8 @@ def test_lean_block_forward_gpu(key, dtype, cols):
     # (session 41: next row by cp.async, persistent grid, 2500 rows = several a block).
     # 2056 / 6152 leave the last load chunk of 4 packs a thread partly past the row; rows far
     # from zero check the shift (first element) and the saved mean / rstd (through the gradients
-    # and the float64 formula). Per-example parameters (vmap, groups > 1) take forward_block: checked too.
+    # and the float64 formula). Per-example parameters (vmap, groups > 1) take forward_block_lean
+    # with groups (session 41; forward_block before): checked too.
     _check_lean_forward(key, dtype, rows=2500, cols=cols, grad_rows=600, vmap_rows=10)
 
 

@@ -68,16 +68,7 @@ __global__ void __launch_bounds__(kAsyncForwardThreads, 3) forward_block_async(F
     const float mean_rel = sum * inv_cols;
     float var;
     if (!shifted_variance(mean_rel, sq * inv_cols, &var)) {
-      sq = 0.0f;
-      for (int p = threadIdx.x; p < npacks; p += blockDim.x) {
-        float f[kPack];
-        unpack_floats<T, kPack>(load_pack<T, kPack>(cache + p * kPack), f);
-#pragma unroll
-        for (int e = 0; e < kPack; ++e) {
-          const float d = (f[e] - shift) - mean_rel;
-          sq = fmaf(d, d, sq);
-        }
-      }
+      sq = recentred_squares<T, kPack>(cache, npacks, shift, mean_rel);
       block_sum2_lean(sq, unused, scratch);
       var = sq * inv_cols;
     }

@@ -58,9 +58,10 @@ cudaError_t launch_reduce(const BackwardArgs& a, int64_t used, cudaStream_t stre
   if (used <= kFewSlots)
     return cuda::launch_kernel(reduce_few_slots<T>, static_cast<unsigned>((outputs + 255) / 256), 256, 0, stream, a,
                                used);
-  const auto kernel = slot_lanes(used) == kSlotLanes ? reduce_slots<T, kSlotLanes> : reduce_slots<T, 8>;
+  const int lanes = slot_lanes(used);
+  const auto kernel = lanes == kSlotLanes ? reduce_slots<T, kSlotLanes> : reduce_slots<T, 8>;
   const int64_t blocks = (a.shape.cols + 31) / 32 * a.shape.groups * num_acc(a.shape.rms);
-  return cuda::launch_kernel(kernel, static_cast<unsigned>(blocks), dim3(32, slot_lanes(used)), 0, stream, a, used);
+  return cuda::launch_kernel(kernel, static_cast<unsigned>(blocks), dim3(32, lanes), 0, stream, a, used);
 }
 
 // Blocks per cluster of a kernel that adds its column sums across a cluster (store_cluster_sums):

@@ -36,8 +36,9 @@ cudaError_t launch_team_kernel(Kernel kernel, int kWidth, int kRows, bool persis
 }
 
 // Whether the lean kernels (session 5) take these rows: 16-byte packs of float / 16-bit types
-// and one parameter group. double, scalar packs and per-example parameters (vmap: groups > 1)
-// keep forward_team / forward_block.
+// and one parameter group. double and scalar packs keep forward_team / forward_block; per-example
+// parameters (vmap: groups > 1) keep forward_team, and past the teams' widths take
+// forward_block_lean with kGroups (session 41).
 template <class T, int kPack>
 bool lean_forward(const ForwardArgs& a) {
   if constexpr (sizeof(T) <= 4 && kPack * sizeof(T) == 16) return a.shape.groups == 1;
@@ -206,25 +207,23 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
   if (smem <= dynamic_smem_limit(info, 64 * sizeof(A))) {
     auto kernel = forward_block<T, kPack>;
     bool persistent = true;
+    size_t launch_smem = smem;
     // Session 5: the lean block kernel (one row a block, grid = rows) for 16-byte packs of float /
-    // 16-bit types, one group.
+    // 16-bit types.
     if constexpr (kLeanType<T, kPack>) {
       if (lean_forward<T, kPack>(a)) {
         kernel = forward_block_lean<T, kPack>;
         if constexpr (sizeof(T) == 2)  // 48 registers, 5 blocks of 256 an SM (see the kernel)
           if (threads <= 256) kernel = forward_block_lean_256<T, kPack>;
-        persistent = false;
       } else {  // per-example parameters (vmap; session 41: forward_block before)
         kernel = forward_block_lean<T, kPack, false, false, true>;
-        persistent = false;
       }
-    }
-    // layer_norm rows of 16-32 KB: the next row by cp.async into a second buffer, persistent
-    // (layer_norm_async_fwd.cuh). Session 41, H200, us, lean / async: f32 8192x8192 147.5 / 141.2
-    // (0.859 -> 0.898 of copy), bf16 4096x16384 81.7 / 74.3; level or up to 6 % slower at 16 KB
-    // rows (f32 16384x4096 144.1 / 144.0, bf16 8192x8192 74.0 / 74.6, bf16 16384x4096 71.8 / 76.1).
-    size_t launch_smem = smem;
-    if constexpr (kLeanType<T, kPack>) {
+      persistent = false;
+      // layer_norm rows of 16-32 KB: the next row by cp.async into a second buffer, persistent
+      // (layer_norm_async_fwd.cuh). Session 41, H200, us, lean / async: f32 8192x8192 147.5 /
+      // 141.2 (0.859 -> 0.898 of copy), bf16 4096x16384 81.7 / 74.3; level or up to 6 % slower at
+      // 16 KB rows (f32 16384x4096 144.1 / 144.0, bf16 8192x8192 74.0 / 74.6, bf16 16384x4096
+      // 71.8 / 76.1).
       if (lean_forward<T, kPack>(a) && !a.shape.rms && smem > kShareBytes / 2 && threads <= kAsyncForwardThreads &&
           2 * smem <= dynamic_smem_limit(info, 64 * sizeof(A))) {
         kernel = forward_block_async<T, kPack>;

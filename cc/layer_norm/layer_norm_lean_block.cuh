@@ -6,13 +6,31 @@
 // rsqrtf (no IEEE division or sqrt per row), one-instruction bf16 conversions and packed F2FP
 // stores (unpack_floats / pack_floats), y = fma(fma(x - shift, rstd, -mean_rel * rstd), s, b),
 // 32-bit pack indices and no 64-bit `row / rows_per_group` per pack for the scale / bias loads
-// (groups == 1; kGroups: once a row), and a block sum with a lane tree instead of a serial loop over the warps.
+// (groups == 1; kGroups: once a row), and a block sum with a lane tree instead of a serial loop
+// over the warps.
 #pragma once
 #include "layer_norm/layer_norm_lean.cuh"
 #include "layer_norm/layer_norm_lean_bwd.cuh"
 #include "layer_norm/layer_norm_split.cuh"
 
 namespace jaxops::layer_norm {
+
+// The third pass, for rows whose shifted variance is untrusted: this thread's sum of squares
+// around the mean (x - shift - mean_rel) over its packs of `row` (cached or in global memory).
+template <class T, int kPack>
+__device__ __forceinline__ float recentred_squares(const T* row, int npacks, float shift, float mean_rel) {
+  float sq = 0.0f;
+  for (int p = threadIdx.x; p < npacks; p += blockDim.x) {
+    float f[kPack];
+    unpack_floats<T, kPack>(load_pack<T, kPack>(row + p * kPack), f);
+#pragma unroll
+    for (int e = 0; e < kPack; ++e) {
+      const float d = (f[e] - shift) - mean_rel;
+      sq = fmaf(d, d, sq);
+    }
+  }
+  return sq;
+}
 
 // kSplit (session 32): rows beyond one block's shared memory split over the blocks of a cluster
 // (layer_norm_split.cuh); this block caches and writes only its own packs, and the row sums are
@@ -76,16 +94,7 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
     // Untrusted (a uniform branch: every thread holds the same sums): the variance around the
     // mean from the cached row, an extra shared-memory pass and block sum.
     if (!shifted_variance(mean_rel, sq * inv_cols, &var) && !kRms) {
-      sq = 0.0f;
-      for (int p = threadIdx.x; p < npacks; p += blockDim.x) {
-        float f[kPack];
-        unpack_floats<T, kPack>(load_pack<T, kPack>((kFromL2 ? xr : cache) + p * kPack), f);
-#pragma unroll
-        for (int e = 0; e < kPack; ++e) {
-          const float d = (f[e] - shift) - mean_rel;
-          sq = fmaf(d, d, sq);
-        }
-      }
+      sq = recentred_squares<T, kPack>(kFromL2 ? xr : cache, npacks, shift, mean_rel);
       if constexpr (kSplit) split_row_sums<kSplit>(sq, unused, parts, parity);
       else block_sum2_lean(sq, unused, scratch);
       parity ^= 1;
