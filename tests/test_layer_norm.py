@@ -690,14 +690,16 @@ def test_lean_backward_rows_gpu(key, dtype, rows, cols):
     # several rows a slot (5000 / <= 528 slots -> >= 9 a slot; 3001 -> >= 5, uneven; 7000 -> 13-14),
     # so the prefetched row is used, fewer rows than slots (263: one row a slot, one slot empty),
     # partial last packs (2056 = 257 packs over 2 a thread, 6152 = 769) and idle threads (520 = 65
-    # packs on 96 threads, 776 = 97 on 128), rows off zero. dx / dscale / dbias against the formula
-    # for both ops, and dscale / dbias bit-identical over two runs (fixed-order sums).
+    # packs on 96 threads, 776 = 97 on 128), rows off zero. layer_norm past 6144 columns takes
+    # backward_rows_lean_1024 (session 42: one pack a thread, 6152 = 769 packs on 800 threads).
+    # dx / dscale / dbias against the formula for both ops, and dscale / dbias bit-identical over
+    # two runs (fixed-order sums).
     k1, k2 = jax.random.split(key)
     x = normal(k1, (rows, cols), dtype) + jnp.asarray(2.0, dtype)
     scale, bias = params(k2, cols, dtype)
     _check_both_grads(x, scale, bias, dtype)
     w = _check_param_grads_repeat(x, scale, bias, dtype, jax.random.key(3))
-    if cols in (1024, 4096):  # per-example parameters (vmap: groups > 1, each group its own slots)
+    if cols in (1024, 4096, 8192):  # per-example parameters (vmap: groups > 1, each its own slots)
         xs = x[:600].reshape(3, 200, cols)
         s3, b3 = jnp.stack([scale, bias, scale]), jnp.stack([bias, scale, bias])
         ws = w[:600].reshape(3, 200, cols)

@@ -319,6 +319,13 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
         if (npacks <= 256 * kRowPacks)
           return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks, true>, a, info, threads, smem, stream,
                                     2);
+        // layer_norm past 6144 columns: one pack a thread on up to 1024 threads, the column sums
+        // in registers (session 42, H200, bf16 layer_norm_bwd, us, two alternations: 8192x8192
+        // 128.5 -> 121.0, 16384x6152 202.0 -> 193.1; but 16384x4104 136.6 -> 152.6 and rms_norm
+        // slower at every width: 8192 108.6 -> 111.0, 6152 174.2 -> 181.0, 4104 115.0 -> 144.4).
+        if (!a.shape.rms && npacks > 768)
+          return launch_slotted<T>(backward_rows_lean_1024<T, kPack>, a, info,
+                                   static_cast<int>((npacks + 31) / 32 * 32), smem, stream, 2);
         return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks>, a, info, threads, smem, stream, 2);
       } else {
         // float: clusters of 2 measured 0-2.5 us faster at 4096 / 8192 columns (session 8).

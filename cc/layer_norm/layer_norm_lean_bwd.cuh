@@ -297,4 +297,19 @@ __global__ void __launch_bounds__(lean_rows_max_threads<kPacks, kPrefetch>(),
   else backward_rows_lean_body<T, kPack, kPacks, false, kPrefetch, kSplit>(a, used, scratch, parts);
 }
 
+// 16-bit layer_norm rows of 6152-8192 columns as one pack a thread (up to 1024 threads, one block
+// an SM), so that kRegAcc keeps the column sums in registers (no shared round trip a row) and
+// kPrefetch loads the next row during the barriers; 64 registers, no spill (session 42). It lost
+// at 4104 columns and for rms_norm (bwd.cu's launcher has the numbers): one block an SM stalls
+// at every block sum, and only the prefetch keeps DRAM busy.
+template <class T, int kPack>
+__global__ void __launch_bounds__(1024, 1) backward_rows_lean_1024(BackwardArgs a, int64_t used) {
+  cuda::enter_kernel();
+  static_assert(sizeof(T) == 2 && kPack == 8, "8-element packs of bfloat16 / float16");
+  __shared__ float2 scratch[32];
+  __shared__ float2 parts[1][32];
+  if (a.shape.rms) backward_rows_lean_body<T, kPack, 1, true, true, false>(a, used, scratch, parts);
+  else backward_rows_lean_body<T, kPack, 1, false, true, false>(a, used, scratch, parts);
+}
+
 }  // namespace jaxops::layer_norm
