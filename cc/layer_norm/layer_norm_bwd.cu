@@ -300,7 +300,8 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
       const size_t smem = sizeof(A) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols);
       if constexpr (sizeof(T) == 2) {
         // <= 4096 columns: next row prefetched, 3 blocks of 256 an SM (session 6: bf16 16384x4096
-        // layer_norm_bwd 165.5 -> 158.9 us); 8192 columns: session 5's kernel, 2 blocks of 512.
+        // layer_norm_bwd 165.5 -> 158.9 us); 4104-8192 columns: session 5's kernel, 2 blocks of 512
+        // (rms_norm, and layer_norm up to 6144 columns; past that see below).
         // Column sums added over clusters of 2 blocks. Session 8 (H100, a slot a block) chose 4 at
         // <= 4096 columns: bf16 layer_norm_bwd 16384x4096 160.0 -> 152.2 us, 8192x8192 160.1 ->
         // 155.1 (rms_norm within +-1 %); the row kernel's time moved with the cluster size by up
