@@ -279,7 +279,7 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
     // 16384x1024 50.8 -> 45.6, 32768x776 85.3 -> 72.9, 65536x1024 153.9 -> 153.4, 65536x520
     // 104.6 -> 106.0 (clusters of 4: 46.5, 76.1, 156.0, 111.1); rms_norm alike.
     if (npacks > 64 && npacks <= 128) {
-      const int threads = static_cast<int>((npacks + 31) / 32 * 32);
+      const int threads = register_row_threads(npacks, 1);
       const size_t acc_smem = sizeof(float) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols);
       return launch_slotted<T>(backward_rows_lean<T, kPack, 1, true>, a, info, threads, acc_smem, stream, 2);
     }
@@ -325,8 +325,8 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
         // 128.5 -> 121.0, 16384x6152 202.0 -> 193.1; but 16384x4104 136.6 -> 152.6 and rms_norm
         // slower at every width: 8192 108.6 -> 111.0, 6152 174.2 -> 181.0, 4104 115.0 -> 144.4).
         if (!a.shape.rms && npacks > 768)
-          return launch_slotted<T>(backward_rows_lean_1024<T, kPack>, a, info,
-                                   static_cast<int>((npacks + 31) / 32 * 32), smem, stream, 2);
+          return launch_slotted<T>(backward_rows_lean_1024<T, kPack>, a, info, register_row_threads(npacks, 1), smem,
+                                   stream, 2);
         return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks>, a, info, threads, smem, stream, 2);
       } else {
         // float: clusters of 2 measured 0-2.5 us faster at 4096 / 8192 columns (session 8).
