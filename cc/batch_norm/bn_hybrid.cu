@@ -125,17 +125,25 @@ __device__ __forceinline__ void fold_block(const RowMoments<float, P>& rm, FMome
 }
 
 // y, and the mask words, for the n elements (whole P-packs, starting on a row and a mask word) at
-// src: global memory for the span, shared for the slice. The warp stride is a multiple of C, so a
-// lane's coefficients stay in registers. `reverse` walks the warp's chunks last first (the span:
-// session 24, float32 (256,56,56,64) 218.4 -> 215.4 us, (128,28,28,256) 111.5 -> 108.0).
-template <class T, int P, bool kRes>
+// src: global memory for the span, shared for the slice. Warp w takes the run's chunks of 32 P
+// elements w, w + kWarps, ...; the warp stride is a multiple of C, so a lane's coefficients stay in
+// registers. kReverse walks them last first (the span: session 24, float32 (256,56,56,64) 218.4 ->
+// 215.4 us, (128,28,28,256) 111.5 -> 108.0). The pointers step by compile-time strides and only
+// the run's last chunk can be partial, so a pack costs no 64-bit index arithmetic or bounds test.
+// Session 43 (H200, run 3, same process, bit-identical results): the sm_90 loop had ~118
+// instructions a bf16 pack, about half of them indices, tests and the mask store's address; without
+// them bf16 BN+ReLU (128,28,28,256) 53.4 -> 52.4 us, (256,56,56,64) 93.2 -> 92.5, float32 83.8 ->
+// 82.6 / 161.3 -> 160.7, BN+Add+ReLU level. Predicted -14 % for bf16: the loop issues at half the
+// SM's rate, so it waits on latency more than it is bound by its instruction count.
+template <class T, int P, bool kRes, bool kReverse>
 __device__ __forceinline__ void apply_run(const T* src, const T* __restrict__ res, T* __restrict__ y,
                                           uint32_t* __restrict__ mask, int64_t n, const float4* coef, int C,
-                                          bool relu, bool with_mask, bool reverse) {
-  constexpr int kApplyUnroll = apply_unroll<T, kRes>();
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+                                          bool relu, bool with_mask) {
+  constexpr int U = apply_unroll<T, kRes>();
   constexpr int kChunk = 32 * P;
-  constexpr int64_t kStride = int64_t(kWarps) * kChunk;
+  constexpr int kStride = kWarps * kChunk;  // elements from one of a warp's chunks to its next
+  constexpr int kStep = kReverse ? -kStride : kStride;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   float sh[P], a[P], b[P];
   const int cl = (warp * kChunk + lane * P) % C;
 #pragma unroll
@@ -145,34 +153,46 @@ __device__ __forceinline__ void apply_run(const T* src, const T* __restrict__ re
     a[k] = q.y;
     b[k] = q.z;
   }
-  const int64_t first = warp * kChunk;
-  const int64_t chunks = first < n ? (n - first + kStride - 1) / kStride : 0;  // this warp's
-  for (int64_t g = 0; g < chunks; g += kApplyUnroll) {  // warp-uniform bounds
-    T v[kApplyUnroll][P], r[kApplyUnroll][P];
-    int64_t ic[kApplyUnroll];  // the chunk's first element; -1 past the warp's last chunk
+  const int64_t total = (n + kChunk - 1) / kChunk;  // the run's chunks; only the last may be partial
+  if (warp >= total) return;  // warp-uniform; nothing below synchronises the block
+  const int mine = static_cast<int>((total - 1 - warp) / kWarps) + 1;  // this warp's chunks
+  // The run's last chunk, where it is this warp's, is its chunk mine - 1: there a lane loads only
+  // a pack that exists and stores only a mask word that exists.
+  const int last = (total - 1) % kWarps == warp ? mine - 1 : -1;
+  const int64_t left = n - (total - 1) * kChunk;  // elements of the last chunk
+  const bool tail_pack = lane * P < left, tail_word = lane < P && lane * 32 < left;
+  const int k0 = kReverse ? mine - 1 : 0;
+  const int64_t e0 = (warp + static_cast<int64_t>(k0) * kWarps) * kChunk;
+  const T* s = src + e0 + lane * P;
+  const T* r0 = kRes ? res + e0 + lane * P : nullptr;
+  T* d = y + e0 + lane * P;
+  uint32_t* m = mask + e0 / 32 + lane;
+  for (int g = 0; g < mine; g += U, s += U * kStep, r0 += kRes ? U * kStep : 0, d += U * kStep,
+           m += U * (kStep / 32)) {  // warp-uniform bounds
+    T v[U][P], r[U][P];
+    bool ok[U];
 #pragma unroll
-    for (int u = 0; u < kApplyUnroll; ++u) {
-      ic[u] = g + u < chunks ? first + (reverse ? chunks - 1 - g - u : g + u) * kStride : -1;
-      const int64_t i0 = ic[u] + lane * P;
-      if (ic[u] >= 0 && i0 < n) {
-        const uint4 w = *reinterpret_cast<const uint4*>(src + i0);
+    for (int u = 0; u < U; ++u) {
+      const int k = kReverse ? k0 - g - u : g + u;
+      ok[u] = g + u < mine && (k != last || tail_pack);
+      if (ok[u]) {
+        const uint4 w = *reinterpret_cast<const uint4*>(s + u * kStep);
         memcpy(&v[u], &w, 16);
-        if constexpr (kRes) cuda::load_vec<T, P>(res + i0, r[u]);
+        if constexpr (kRes) cuda::load_vec<T, P>(r0 + u * kStep, r[u]);
       }
     }
 #pragma unroll
-    for (int u = 0; u < kApplyUnroll; ++u) {
-      if (ic[u] >= 0) {
-        const int64_t i0 = ic[u] + lane * P;
+    for (int u = 0; u < U; ++u) {
+      if (g + u < mine) {
+        const int k = kReverse ? k0 - g - u : g + u;
         uint32_t bits = 0;
-        if (i0 < n) {
+        if (ok[u]) {
           bits = normalize_pack<T, P>(v[u], r[u], kRes, sh, a, b, P, relu);
-          cuda::store_vec<T, P>(y + i0, v[u]);
+          cuda::store_vec<T, P>(d + u * kStep, v[u]);
         }
         if (with_mask) {
           const uint32_t word = cuda::warp_mask_words<P>(bits);
-          const int64_t w = ic[u] / 32 + lane;
-          if (lane < P && w * 32 < n) mask[w] = word;
+          if (k == last ? tail_word : lane < P) m[u * (kStep / 32)] = word;
         }
       }
     }
@@ -208,11 +228,11 @@ hybrid_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale, 
                [&](int64_t bk) { return static_cast<float>(sp.slice_rows(bk) + sp.span_rows(bk)); },
                [&](int c) { return sm.coef[c]; });  // {pivot, scale, bias}, stored at the start
   if (res) {
-    apply_run<T, P, true>(x + e1, res + e1, y + e1, mask + e1 / 32, n1, sm.coef, C, relu, with_mask, true);
-    apply_run<T, P, true>(xs, res + e0, y + e0, mask + e0 / 32, n0, sm.coef, C, relu, with_mask, false);
+    apply_run<T, P, true, true>(x + e1, res + e1, y + e1, mask + e1 / 32, n1, sm.coef, C, relu, with_mask);
+    apply_run<T, P, true, false>(xs, res + e0, y + e0, mask + e0 / 32, n0, sm.coef, C, relu, with_mask);
   } else {
-    apply_run<T, P, false>(x + e1, nullptr, y + e1, mask + e1 / 32, n1, sm.coef, C, relu, with_mask, true);
-    apply_run<T, P, false>(xs, nullptr, y + e0, mask + e0 / 32, n0, sm.coef, C, relu, with_mask, false);
+    apply_run<T, P, false, true>(x + e1, nullptr, y + e1, mask + e1 / 32, n1, sm.coef, C, relu, with_mask);
+    apply_run<T, P, false, false>(xs, nullptr, y + e0, mask + e0 / 32, n0, sm.coef, C, relu, with_mask);
   }
 }
 
