@@ -674,12 +674,13 @@ def test_explicit_splits_every_merge_path(dtype, key):
 
 def test_split_plan():
     """The shape-only plan (jaxops._reductions._splits): column splits fill one resident wave of
-    the H100 (3 blocks of 256 threads per SM); split rows and full reductions take about 1024
+    the H100 (3 blocks of 256 threads per SM; 2 for sum, mean, max, min); split rows and full reductions take about 1024
     blocks of >= 8192 elements, except float32 arg/logsumexp over more than one row (one wave of
     2 blocks of 512 per SM), the light ops (sum, mean, max, min, 16-bit arg ops) over more than
     one row (about 4096 blocks) and 16-bit logsumexp over more than one row (chunks of 4096, at
     most 2048 a row); the benchmark shapes get the planned split counts."""
-    from jaxops._reductions import _MIN_ROW_CHUNK, _TARGET_BLOCKS, _TARGET_BLOCKS_LIGHT, _splits, _wave_blocks
+    from jaxops._reductions import (_MIN_ROW_CHUNK, _TARGET_BLOCKS, _TARGET_BLOCKS_LIGHT, _column_wave_blocks,
+                                    _splits, _wave_blocks)
 
     plans = {  # (outer, n, inner, itemsize, fn): splits
         (1, 1 << 26, 1, 2, "sum"): 1024, (1, 1 << 26, 1, 2, "argmax"): 1024,
@@ -691,8 +692,9 @@ def test_split_plan():
         (64, 1 << 20, 1, 2, "min"): 64, (1, 1 << 26, 1, 2, "max"): 1024, (1, 1 << 26, 1, 2, "logsumexp"): 1024,
         (64, 1 << 20, 1, 4, "argmax"): 4, (64, 1 << 20, 1, 4, "argmin"): 4, (64, 1 << 20, 1, 4, "logsumexp"): 4,
         (64, 1 << 20, 1, 8, "argmax"): 16,
-        (1, 1 << 20, 64, 2, "sum"): 396, (1, 1 << 18, 256, 2, "argmax"): 396, (1, 1 << 14, 4096, 2, "sum"): 24,
-        (1, 1 << 20, 64, 4, "sum"): 396, (1, 1 << 14, 4096, 4, "argmax"): 12,
+        (1, 1 << 20, 64, 2, "sum"): 264, (1, 1 << 18, 256, 2, "argmax"): 396, (1, 1 << 14, 4096, 2, "sum"): 16,
+        (1, 1 << 20, 64, 4, "sum"): 264, (1, 1 << 14, 4096, 4, "argmax"): 12, (1, 1 << 14, 4096, 4, "max"): 8,
+        (1, 1 << 13, 8192, 2, "mean"): 8, (1, 1 << 18, 256, 2, "logsumexp"): 396,
         (1, 1 << 20, 64, 8, "sum"): 1024,  # float64 columns: about 1024 blocks
         (1024, 65536, 1, 2, "sum"): 1, (1024, 65536, 1, 4, "argmax"): 1, (8, 4096, 1, 4, "sum"): 1,
     }
@@ -713,8 +715,9 @@ def test_split_plan():
                     tx = min(32, 1 << (-(-inner // pack) - 1).bit_length())
                     units = outer if inner == 1 else outer * -(-inner // (tx * pack))
                     if k > 1:  # one resident wave, as full as the chunk floor allows
-                        assert units * k <= _wave_blocks(size, inner == 1), (outer, n, inner, size, k)
-                        assert units * (k + 1) > _wave_blocks(size, inner == 1) or k == n // _MIN_ROW_CHUNK \
+                        wave = _wave_blocks(size, True) if inner == 1 else _column_wave_blocks(size, fn)
+                        assert units * k <= wave, (outer, n, inner, size, k)
+                        assert units * (k + 1) > wave or k == n // _MIN_ROW_CHUNK \
                             or inner > 1
 
 

@@ -324,9 +324,18 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
         // in registers (session 42, H200, bf16 layer_norm_bwd, us, two alternations: 8192x8192
         // 128.5 -> 121.0, 16384x6152 202.0 -> 193.1; but 16384x4104 136.6 -> 152.6 and rms_norm
         // slower at every width: 8192 108.6 -> 111.0, 6152 174.2 -> 181.0, 4104 115.0 -> 144.4).
-        if (!a.shape.rms && npacks > 768)
-          return launch_slotted<T>(backward_rows_lean_1024<T, kPack>, a, info, register_row_threads(npacks, 1), smem,
-                                   stream, 2);
+        // Since session 44 the next 4 rows come by cp.async into a ring behind the column sums
+        // (8192 columns: 64 + 128 KB of shared memory; the register prefetch where that does not
+        // fit, e.g. 164 KB on sm_80): bf16 8192x8192 120.7 -> 116.9 us, 16384x6152 192.4 -> 183.5.
+        // rms_norm through this kernel with the ring: 8192x8192 108.8 -> 112.1-113.1 us (3-4 rows).
+        if (!a.shape.rms && npacks > 768) {
+          const int row_threads = register_row_threads(npacks, 1);
+          constexpr int kRing = 4;
+          const size_t ring = smem + kRing * 2 * sizeof(T) * static_cast<size_t>(a.shape.cols);
+          if (ring <= dynamic_smem_limit(info, 512))
+            return launch_slotted<T>(backward_rows_lean_1024<T, kPack, kRing>, a, info, row_threads, ring, stream, 2);
+          return launch_slotted<T>(backward_rows_lean_1024<T, kPack, 0>, a, info, row_threads, smem, stream, 2);
+        }
         return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks>, a, info, threads, smem, stream, 2);
       } else {
         // float: clusters of 2 measured 0-2.5 us faster at 4096 / 8192 columns (session 8).
