@@ -327,7 +327,7 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
         // Since session 44 the next 4 rows come by cp.async into a ring behind the column sums
         // (8192 columns: 64 + 128 KB of shared memory; the register prefetch where that does not
         // fit, e.g. 164 KB on sm_80): bf16 8192x8192 120.7 -> 116.9 us, 16384x6152 192.4 -> 183.5.
-        // rms_norm through this kernel with the ring: 8192x8192 108.8 -> 112.1-113.1 us (3-4 rows).
+        // rms_norm through this kernel with the ring: 8192x8192 108.8 -> 112.1-113.4 us (3-4 rows).
         if (!a.shape.rms && npacks > 768) {
           const int row_threads = register_row_threads(npacks, 1);
           constexpr int kRing = 4;
