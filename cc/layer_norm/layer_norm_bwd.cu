@@ -326,7 +326,7 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
         // slower at every width: 8192 108.6 -> 111.0, 6152 174.2 -> 181.0, 4104 115.0 -> 144.4).
         // Since session 44 the next 4 rows come by cp.async into a ring behind the column sums
         // (8192 columns: 64 + 128 KB of shared memory; the register prefetch where that does not
-        // fit, e.g. 164 KB on sm_80): bf16 8192x8192 120.7 -> 116.9 us, 16384x6152 192.4 -> 183.5.
+        // fit, e.g. 163 KB a block on sm_80): bf16 8192x8192 120.7 -> 116.9 us, 16384x6152 192.4 -> 183.5.
         // rms_norm through this kernel with the ring: 8192x8192 108.8 -> 112.1-113.4 us (3-4 rows).
         if (!a.shape.rms && npacks > 768) {
           const int row_threads = register_row_threads(npacks, 1);
