@@ -493,6 +493,30 @@ def test_register_row_backward_gpu(key, dtype, rows, cols):
 
 
 @gpu_only
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rows,cols", [(1100, 8192), (263, 6152), (5, 8192)])
+def test_row_ring_matches_register_prefetch_gpu(key, monkeypatch, dtype, rows, cols):
+    # 16-bit layer_norm rows past 6144 columns read the next 4 rows through a cp.async ring in
+    # shared memory (session 44); where the ring does not fit (sm_80) the kernel prefetches the next
+    # row into registers instead, which JAXOPS_LN_NO_RING=1 forces here. 1100 rows: several a slot
+    # (the ring refills and wraps); 263: one a slot (three empty entries); 5: fewer rows than slots.
+    # The same arithmetic on the same values: dx, dscale and dbias must be the same bits, and the
+    # fallback's gradients match the references.
+    k1, k2, k3 = jax.random.split(key, 3)
+    x = normal(k1, (rows, cols), dtype) + jnp.asarray(2.0, dtype)
+    scale, bias = params(k2, cols, dtype)
+    g = normal(k3, (rows, cols), dtype)
+    f = jax.jit(lambda x, s, b, g: jax.vjp(jaxops.layer_norm, x, s, b)[1](g))
+    ring = f(x, scale, bias, g)
+    monkeypatch.setenv("JAXOPS_LN_NO_RING", "1")
+    prefetch = f(x, scale, bias, g)
+    for u, v in zip(ring, prefetch):
+        np.testing.assert_array_equal(np.asarray(u.astype(jnp.float32)).view(np.uint32),
+                                      np.asarray(v.astype(jnp.float32)).view(np.uint32))
+    _check_both_grads(x, scale, bias, dtype)
+
+
+@gpu_only
 @pytest.mark.parametrize("cluster", ["1", "2", "8"])
 @pytest.mark.parametrize("dtype,rows,cols", [(jnp.bfloat16, 3001, 4096), (jnp.bfloat16, 13, 8192),
                                              (jnp.float16, 7000, 1024), (jnp.float32, 2000, 4096),

@@ -140,6 +140,13 @@ int forced_split() {
   return n >= 2 && n <= 8 ? n : 0;
 }
 
+// JAXOPS_LN_NO_RING=1 (a test hook, read at every launch): 16-bit layer_norm rows past 6144
+// columns take the register-prefetch kernel, as where shared memory cannot hold the row ring.
+bool ring_disabled() {
+  const char* e = std::getenv("JAXOPS_LN_NO_RING");
+  return e != nullptr && e[0] == '1';
+}
+
 // How many blocks share a row: n = ceil(packs / cap) for a block capacity `cap` (packs) from
 // `caps` (ascending), the one whose shares fill their blocks best (fewest idle threads); among
 // equal fills the smaller blocks if `small_first`, else the larger. `forced` > 0 fixes n (the
@@ -332,7 +339,7 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
           const int row_threads = register_row_threads(npacks, 1);
           constexpr int kRing = 4;
           const size_t ring = smem + kRing * 2 * sizeof(T) * static_cast<size_t>(a.shape.cols);
-          if (ring <= dynamic_smem_limit(info, 512))
+          if (!ring_disabled() && ring <= dynamic_smem_limit(info, 512))
             return launch_slotted<T>(backward_rows_lean_1024<T, kPack, kRing>, a, info, row_threads, ring, stream, 2);
           return launch_slotted<T>(backward_rows_lean_1024<T, kPack, 0>, a, info, row_threads, smem, stream, 2);
         }
