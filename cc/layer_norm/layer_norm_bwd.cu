@@ -339,7 +339,8 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
           const int row_threads = register_row_threads(npacks, 1);
           constexpr int kRing = 4;
           const size_t ring = smem + kRing * 2 * sizeof(T) * static_cast<size_t>(a.shape.cols);
-          if (!ring_disabled() && ring <= dynamic_smem_limit(info, 512))
+          constexpr size_t kStatic = 2 * 32 * sizeof(float2);  // the kernel's scratch and parts
+          if (!ring_disabled() && ring <= dynamic_smem_limit(info, kStatic))
             return launch_slotted<T>(backward_rows_lean_1024<T, kPack, kRing>, a, info, row_threads, ring, stream, 2);
           return launch_slotted<T>(backward_rows_lean_1024<T, kPack, 0>, a, info, row_threads, smem, stream, 2);
         }

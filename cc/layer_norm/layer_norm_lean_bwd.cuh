@@ -244,14 +244,10 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
         opaque_packs(dp);
         request_ring_row<T, kPack>(ring, stage, cols, x, dy, row + kAhead, end, s.cols, npacks);
         stage = stage + 1 == kAhead ? 0 : stage + 1;
-        if (row + 1 < end) {
-          if constexpr (!kRms) mean_n = means[row + 1];
-          rstd_n = rstds[row + 1];
-        }
       }
-      if constexpr (kPrefetch) {
+      if constexpr (kPrefetch || kAhead > 0) {  // the next row's statistics (and packs, kPrefetch)
         if (row + 1 < end) {
-          load_row_packs<T, kPack, kPacks>(x, dy, row + 1, s.cols, npacks, xn, dn);
+          if constexpr (kPrefetch) load_row_packs<T, kPack, kPacks>(x, dy, row + 1, s.cols, npacks, xn, dn);
           if constexpr (!kRms) mean_n = means[row + 1];
           rstd_n = rstds[row + 1];
         }
@@ -305,14 +301,13 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
         }
       }
       if (row + 1 < end) {
-        if constexpr (kAhead > 0) {
-          mean = mean_n;
-          rstd = rstd_n;
-        } else if constexpr (kPrefetch) {
+        if constexpr (kPrefetch || kAhead > 0) {  // (kAhead: the packs come from the ring)
+          if constexpr (kPrefetch) {
 #pragma unroll
-          for (int k = 0; k < kPacks; ++k) {
-            xp[k] = xn[k];
-            dp[k] = dn[k];
+            for (int k = 0; k < kPacks; ++k) {
+              xp[k] = xn[k];
+              dp[k] = dn[k];
+            }
           }
           mean = mean_n;
           rstd = rstd_n;
