@@ -218,7 +218,7 @@ __device__ __forceinline__ void merge_grad_spread(const float* ws, const float* 
     }
   }
   cooperative_groups::this_grid().sync();
-  for (int c = threadIdx.x; c < C; c += kThreads) sm.coef[c] = __ldcg(coef_g + c);
+  for (int c = threadIdx.x; c < C; c += kThreads) sm.coef[coef_at(c)] = __ldcg(coef_g + c);
   __syncthreads();
 }
 
@@ -237,10 +237,11 @@ __device__ __forceinline__ void dx_run(const T* gdy, const T* gx, const uint32_t
   constexpr int kChunk = 32 * P;
   constexpr int64_t kStride = int64_t(kWarps) * kChunk;
   float sh[P], a[P], b[P], cc[P];
-  const int cl = (warp * kChunk + lane * P) % C;
+  static_assert(8 % P == 0, "coef_at(cl + k) == coef_at(cl) + k");
+  const float4* cq = coef + coef_at((warp * kChunk + lane * P) % C);
 #pragma unroll
   for (int k = 0; k < P; ++k) {
-    const float4 q = coef[cl + k];
+    const float4 q = cq[k];
     sh[k] = q.x;
     a[k] = q.y;
     b[k] = q.z;

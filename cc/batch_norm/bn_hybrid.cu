@@ -145,10 +145,11 @@ __device__ __forceinline__ void apply_run(const T* src, const T* __restrict__ re
   constexpr int kStep = kReverse ? -kStride : kStride;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   float sh[P], a[P], b[P];
-  const int cl = (warp * kChunk + lane * P) % C;
+  static_assert(8 % P == 0, "coef_at(cl + k) == coef_at(cl) + k");
+  const float4* cq = coef + coef_at((warp * kChunk + lane * P) % C);
 #pragma unroll
   for (int k = 0; k < P; ++k) {
-    const float4 q = coef[cl + k];
+    const float4 q = cq[k];
     sh[k] = q.x;
     a[k] = q.y;
     b[k] = q.z;
@@ -218,7 +219,7 @@ hybrid_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale, 
   // What the merge needs of each channel, fetched now rather than after the merge's tree, where
   // these loads (long evicted from L2) would add a DRAM round trip to the time DRAM sits idle.
   if (static_cast<int>(threadIdx.x) < C)
-    sm.coef[threadIdx.x] = make_float4(pivot_of(to_acc(x[threadIdx.x])), scale[threadIdx.x], bias[threadIdx.x], 0.f);
+    sm.coef[coef_at(threadIdx.x)] = make_float4(pivot_of(to_acc(x[threadIdx.x])), scale[threadIdx.x], bias[threadIdx.x], 0.f);
   fold_run<T, P, true>(x + e0, xs, n0 / P, rm);
   fold_run<T, P, false>(x + e1, nullptr, n1 / P, rm);
   fold_block<P>(rm, sm.red, ws, C);
@@ -226,7 +227,7 @@ hybrid_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale, 
 
   merge_spread(ws, mean_out, var_out, coef_g, sm, C, eps,
                [&](int64_t bk) { return static_cast<float>(sp.slice_rows(bk) + sp.span_rows(bk)); },
-               [&](int c) { return sm.coef[c]; });  // {pivot, scale, bias}, stored at the start
+               [&](int c) { return sm.coef[coef_at(c)]; });  // {pivot, scale, bias}, stored at the start
   if (res) {
     apply_run<T, P, true, true>(x + e1, res + e1, y + e1, mask + e1 / 32, n1, sm.coef, C, relu, with_mask);
     apply_run<T, P, true, false>(xs, res + e0, y + e0, mask + e0 / 32, n0, sm.coef, C, relu, with_mask);

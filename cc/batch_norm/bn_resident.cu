@@ -148,7 +148,7 @@ __device__ __forceinline__ void merge_partials(const T* __restrict__ x, const fl
       var_out[c] = var;
     }
     const Coef<float> q = forward_coef<float>(sc, bi, mean, var, eps);
-    sm.coef[c] = make_float4(q.shift, q.a, q.b, 0.f);
+    sm.coef[coef_at(c)] = make_float4(q.shift, q.a, q.b, 0.f);
   }
   __syncthreads();
 }
@@ -292,7 +292,7 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
   float sh[P], a[P], b[P];
   // Channels of the lane's elements on every chunk; C < P wraps within a pack.
   for (int k = 0, ck = (warp * kChunk + lane * P) % C; k < P; ++k, ck = ck + 1 == C ? 0 : ck + 1) {
-    const float4 q = sm.coef[ck];
+    const float4 q = sm.coef[coef_at(ck)];
     sh[k] = q.x;
     a[k] = q.y;
     b[k] = q.z;

@@ -37,15 +37,24 @@ struct Smem {
   unsigned char* data;
 };
 
+// sm.coef holds channel c at coef_at(c): one float4 of padding every 8. A lane reads the P <= 8
+// coefficients of its pack's channels (apply_run, dx_run: P LDS.128, lanes P * 16 bytes apart);
+// unpadded, the 8 lanes of a quarter-warp hit the same 4 banks (bf16: 8-way; ncu, session 44:
+// 1.89 M of the bf16 hybrid forward's 2.06 M excess shared wavefronts). Padded, lane l's k-th
+// read falls in bank group (l + k) mod 8 (P = 8; P = 4 alike): conflict-free. For c = c0 + k with
+// c0 a multiple of P and k < P, coef_at(c) = coef_at(c0) + k.
+__host__ __device__ constexpr int64_t coef_slots(int64_t C) { return C + C / 8 + 1; }
+__device__ __forceinline__ int coef_at(int c) { return c + (c >> 3); }
+
 __host__ __device__ constexpr size_t smem_head(int64_t C) {
-  return static_cast<size_t>(C) * sizeof(float4) + kThreads * sizeof(FMoments);
+  return static_cast<size_t>(coef_slots(C)) * sizeof(float4) + kThreads * sizeof(FMoments);
 }
 
 __device__ __forceinline__ Smem smem_layout(int64_t C) {
   extern __shared__ __align__(16) unsigned char bn_res_smem[];
   Smem s;
   s.coef = reinterpret_cast<float4*>(bn_res_smem);
-  s.red = reinterpret_cast<FMoments*>(bn_res_smem + C * sizeof(float4));
+  s.red = reinterpret_cast<FMoments*>(bn_res_smem + coef_slots(C) * sizeof(float4));
   s.data = bn_res_smem + smem_head(C);
   return s;
 }
@@ -157,7 +166,7 @@ __device__ __forceinline__ void merge_spread(const float* ws, float* __restrict_
     }
   }
   cooperative_groups::this_grid().sync();
-  for (int c = threadIdx.x; c < C; c += kThreads) sm.coef[c] = __ldcg(coef_g + c);
+  for (int c = threadIdx.x; c < C; c += kThreads) sm.coef[coef_at(c)] = __ldcg(coef_g + c);
   __syncthreads();
 }
 

@@ -333,16 +333,18 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
         // slower at every width: 8192 108.6 -> 111.0, 6152 174.2 -> 181.0, 4104 115.0 -> 144.4).
         // Since session 44 the next 4 rows come by cp.async into a ring behind the column sums
         // (8192 columns: 64 + 128 KB of shared memory; the register prefetch where that does not
-        // fit, e.g. 163 KB a block on sm_80): bf16 8192x8192 120.7 -> 116.9 us, 16384x6152 192.4 -> 183.5.
+        // fit, e.g. 163 KB a block on sm_80): bf16 8192x8192 120.7 -> 116.9 us, 16384x6152 192.4 -> 183.5;
+        // since session 45 two rows an iteration (backward_rows_lean_1024_ring): 116.6 -> 114.2,
+        // 185.3 -> 174.6.
         // rms_norm through this kernel with the ring: 8192x8192 108.8 -> 112.1-113.4 us (3-4 rows).
         if (!a.shape.rms && npacks > 768) {
           const int row_threads = register_row_threads(npacks, 1);
           constexpr int kRing = 4;
           const size_t ring = smem + kRing * 2 * sizeof(T) * static_cast<size_t>(a.shape.cols);
-          constexpr size_t kStatic = 2 * 32 * sizeof(float2);  // the kernel's scratch and parts
+          constexpr size_t kStatic = 32 * sizeof(float4);  // the ring kernel's scratch
           if (!ring_disabled() && ring <= dynamic_smem_limit(info, kStatic))
-            return launch_slotted<T>(backward_rows_lean_1024<T, kPack, kRing>, a, info, row_threads, ring, stream, 2);
-          return launch_slotted<T>(backward_rows_lean_1024<T, kPack, 0>, a, info, row_threads, smem, stream, 2);
+            return launch_slotted<T>(backward_rows_lean_1024_ring<T, kPack, kRing>, a, info, row_threads, ring, stream, 2);
+          return launch_slotted<T>(backward_rows_lean_1024<T, kPack>, a, info, row_threads, smem, stream, 2);
         }
         return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks>, a, info, threads, smem, stream, 2);
       } else {

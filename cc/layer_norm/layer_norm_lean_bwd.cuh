@@ -132,18 +132,6 @@ __device__ __forceinline__ void request_ring_row(T* ring, int i, int cols, const
   __pipeline_commit();
 }
 
-template <class T, int kPack, int kAhead>
-__device__ __forceinline__ void ring_row(const T* ring, int i, int cols, int npacks, Pack<T, kPack>& xp,
-                                         Pack<T, kPack>& dp) {
-  __pipeline_wait_prior(kAhead - 1);
-  const int p = threadIdx.x;
-  if (p < npacks) {
-    const T* xs = ring + int64_t{i} * 2 * cols;
-    xp = load_pack<T, kPack>(xs + p * kPack);
-    dp = load_pack<T, kPack>(xs + cols + p * kPack);
-  }
-}
-
 // kPrefetch (session 6): the next row's x, dy, mean and rstd are loaded right after the first
 // pass, so they are in flight during the row reduction's barriers and the second pass (+8
 // registers a pack a thread); otherwise they are loaded after dx is written. (Session 4's
@@ -159,13 +147,12 @@ __device__ __forceinline__ void ring_row(const T* ring, int i, int cols, int npa
 // layer_norm_bwd 131072x1024 261.3 -> 220.1 us (0.722 -> 0.857 of the bound), 65536x776 128.2 ->
 // 107.9; rms_norm_bwd (one accumulator) unchanged. With two packs (1032-4096 columns) 80 registers
 // spill 80 bytes and 2048 / 4096 columns ran 1.6x slower, so they keep the shared round trip.
-template <class T, int kPack, int kPacks, bool kRms, bool kPrefetch, bool kSplit, int kAhead = 0>
+template <class T, int kPack, int kPacks, bool kRms, bool kPrefetch, bool kSplit>
 __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, int64_t used, float2* scratch,
                                                         float2 (*parts)[32]) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* sacc = reinterpret_cast<float*>(smem_raw);  // [kNacc][cols], thread-owned columns
   constexpr bool kRegAcc = kPacks == 1;
-  static_assert(kAhead == 0 || (kPacks == 1 && !kPrefetch && !kSplit), "the ring replaces the register prefetch");
   const Shape& s = a.shape;
   // (Unsplit, cols and npacks are computed as before the split existed: the same code.)
   const RowPart part = row_part<kSplit>(static_cast<int>(s.cols / kPack));
@@ -178,8 +165,6 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
   T* dx = static_cast<T*>(a.dx) + first;
   const float* means = static_cast<const float*>(a.mean);
   const float* rstds = static_cast<const float*>(a.rstd);
-  // kAhead: a ring of kAhead rows of x and dy ([kAhead][2][cols] of T) behind the column sums.
-  T* const ring = reinterpret_cast<T*>(sacc + (kRms ? 1 : 2) * cols);
   int parity = 0;
   // (Unsplit, the loop reads blockIdx / gridDim directly, so the unsplit kernels compile to the
   // same code as before the split existed. Through RowPart's 64-bit fields the code differed, and
@@ -216,18 +201,12 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
     }
     Pack<T, kPack> xp[kPacks], dp[kPacks];
     float mean = 0.0f, rstd = 0.0f;
-    int stage = 0;  // (kAhead: the ring entry of `row`)
-    if constexpr (kAhead > 0) {
-#pragma unroll
-      for (int i = 0; i < kAhead; ++i) request_ring_row<T, kPack>(ring, i, cols, x, dy, begin + i, end, s.cols, npacks);
-    }
     if (begin < end) {
-      if constexpr (kAhead == 0) load_row_packs<T, kPack, kPacks>(x, dy, begin, s.cols, npacks, xp, dp);
+      load_row_packs<T, kPack, kPacks>(x, dy, begin, s.cols, npacks, xp, dp);
       if constexpr (!kRms) mean = means[begin];
       rstd = rstds[begin];
     }
     for (int64_t row = begin; row < end; ++row) {  // block-uniform: the barriers below are safe
-      if constexpr (kAhead > 0) ring_row<T, kPack, kAhead>(ring, stage, cols, npacks, xp[0], dp[0]);
       // Pass 1: sum(g) and sum(g * (x - mean)), g = dy * scale rounded once.
       float sum_g = 0.0f, sum_gxm = 0.0f;
 #pragma unroll
@@ -237,17 +216,9 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
       }
       Pack<T, kPack> xn[kPacks], dn[kPacks];
       float mean_n = 0.0f, rstd_n = 0.0f;
-      if constexpr (kAhead > 0) {
-        // Refill this row's entry kAhead rows on. The opaque asm needs the packs in registers, so
-        // their shared-memory loads have returned before the copies into the same bytes start.
-        opaque_packs(xp);
-        opaque_packs(dp);
-        request_ring_row<T, kPack>(ring, stage, cols, x, dy, row + kAhead, end, s.cols, npacks);
-        stage = stage + 1 == kAhead ? 0 : stage + 1;
-      }
-      if constexpr (kPrefetch || kAhead > 0) {  // the next row's statistics (and packs, kPrefetch)
+      if constexpr (kPrefetch) {  // the next row's packs and statistics
         if (row + 1 < end) {
-          if constexpr (kPrefetch) load_row_packs<T, kPack, kPacks>(x, dy, row + 1, s.cols, npacks, xn, dn);
+          load_row_packs<T, kPack, kPacks>(x, dy, row + 1, s.cols, npacks, xn, dn);
           if constexpr (!kRms) mean_n = means[row + 1];
           rstd_n = rstds[row + 1];
         }
@@ -301,13 +272,11 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
         }
       }
       if (row + 1 < end) {
-        if constexpr (kPrefetch || kAhead > 0) {  // (kAhead: the packs come from the ring)
-          if constexpr (kPrefetch) {
+        if constexpr (kPrefetch) {
 #pragma unroll
-            for (int k = 0; k < kPacks; ++k) {
-              xp[k] = xn[k];
-              dp[k] = dn[k];
-            }
+          for (int k = 0; k < kPacks; ++k) {
+            xp[k] = xn[k];
+            dp[k] = dn[k];
           }
           mean = mean_n;
           rstd = rstd_n;
@@ -348,23 +317,17 @@ __global__ void __launch_bounds__(lean_rows_max_threads<kPacks, kPrefetch>(),
 // an SM), so that kRegAcc keeps the column sums in registers (no shared round trip a row); 64
 // registers, no spill (session 42). It lost at 4104 columns and for rms_norm (bwd.cu's launcher
 // has the numbers): one block an SM stalls at every block sum.
-// kAhead (session 44): the next kAhead rows' x and dy come by cp.async into a ring in shared
-// memory behind the column sums, instead of the next row into registers (kAhead 0, kPrefetch).
-// H200, session 44 runs 1 and 3, bf16 layer_norm_bwd, us (register prefetch -> ring of 1 / 2 / 3 /
-// 4): 8192x8192 120.7 -> 118.3 / 119.2 / 119.4 / 116.9; 16384x6152 192.4 -> 188.6 / 189.3 / 187.7
-// / 183.5. Bit-identical (the same arithmetic on the same values). ncu (run 1, prefetch kernel):
-// the SM issues on ~70 % of cycles (36 % of a warp's stall cycles "not selected"), DRAM 37 % at
-// ncu's clocks; the top stall lines are the block sum's shuffles and adds, so deeper loads help
-// only a little. Second-level block sums in warp 0 only (10 shuffles + 10 adds fewer for 31 of
-// 32 warps) measured 120.7 -> 118.9 alone and 122.9 with the ring of 4: not taken.
-template <class T, int kPack, int kAhead>
+// Where its shared memory fits, backward_rows_lean_1024_ring (layer_norm_pair_bwd.cuh) runs instead:
+// the same arithmetic with the next rows by cp.async; this kernel is its register-prefetch
+// fallback (sm_80's 163 KB a block; JAXOPS_LN_NO_RING=1 forces it for the tests).
+template <class T, int kPack>
 __global__ void __launch_bounds__(1024, 1) backward_rows_lean_1024(BackwardArgs a, int64_t used) {
   cuda::enter_kernel();
   static_assert(sizeof(T) == 2 && kPack == 8, "8-element packs of bfloat16 / float16");
   __shared__ float2 scratch[32];
   __shared__ float2 parts[1][32];
   // layer_norm only: the launcher sends rms_norm rows to backward_rows_lean.
-  backward_rows_lean_body<T, kPack, 1, false, kAhead == 0, false, kAhead>(a, used, scratch, parts);
+  backward_rows_lean_body<T, kPack, 1, false, true, false>(a, used, scratch, parts);
 }
 
 }  // namespace jaxops::layer_norm

@@ -138,4 +138,124 @@ __global__ void __launch_bounds__(256, 3) backward_rows_lean_pair(BackwardArgs a
   else backward_rows_pair_body<T, kPack, kPacks, false>(a, used, scratch);
 }
 
+// 16-bit layer_norm rows of 6152-8192 columns, one pack a thread (up to 1024 threads, one block an
+// SM), the column sums in registers, x and dy of the next kAhead rows in a cp.async ring in shared
+// memory behind the column sums ([kAhead][2][cols] of T; each thread copies and reads back only its
+// own pack, so no barrier), and two rows an iteration: one block sum of four values a pair
+// (block_sum4_lean, the same trees as block_sum2_lean) and row r's column terms added before row
+// r + 1's, so the bits equal backward_rows_lean_1024's (its register-prefetch fallback).
+// H200, bf16 layer_norm_bwd, us (register prefetch / ring of 4, one row an iteration (session 44) /
+// this kernel (session 45)): 8192x8192 120.7 / 116.6 / 114.2; 16384x6152 192.4 / 185.3 / 174.6;
+// 16384x8192 - / 215.0 / 214.2. A ring of 5 rows lost (8192x8192 120.6). The kernel is near its
+// issue limit (ncu, session 44: the SM issues on ~70 % of cycles, the top stalls the block sum's
+// shuffles), so the gain is the half as many barriers and reductions a row, not the loads.
+template <class T, int kPack, int kAhead>
+__global__ void __launch_bounds__(1024, 1) backward_rows_lean_1024_ring(BackwardArgs a, int64_t used) {
+  cuda::enter_kernel();
+  static_assert(sizeof(T) == 2 && kPack == 8 && kAhead % 2 == 0, "8-element packs of 16-bit types, rows in pairs");
+  __shared__ float4 scratch[32];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* sacc = reinterpret_cast<float*>(smem_raw);  // [2][cols], the slot's column sums at its end
+  const Shape& s = a.shape;
+  const int cols = static_cast<int>(s.cols);
+  const int npacks = cols / kPack;
+  const float inv_cols = a.inv_cols;
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  T* dx = static_cast<T*>(a.dx);
+  const float* means = static_cast<const float*>(a.mean);
+  const float* rstds = static_cast<const float*>(a.rstd);
+  T* const ring = reinterpret_cast<T*>(sacc + 2 * cols);
+  const int p = threadIdx.x;
+  for (int64_t slot = blockIdx.x; slot < s.groups * used; slot += gridDim.x) {
+    const int64_t g = slot / used, j = slot % used;
+    int64_t begin, end;
+    slot_rows(s, g, j, used, &begin, &end);
+    Pack<T, kPack> sp{};
+    if (p < npacks) sp = load_pack<T, kPack>(static_cast<const T*>(a.scale) + g * s.cols + p * kPack);
+    float racc_s[kPack], racc_b[kPack];
+#pragma unroll
+    for (int e = 0; e < kPack; ++e) racc_s[e] = racc_b[e] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kAhead; ++i) request_ring_row<T, kPack>(ring, i, cols, x, dy, begin + i, end, s.cols, npacks);
+    float mean[2] = {0.0f, 0.0f}, rstd[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (begin + r < end) {
+        mean[r] = means[begin + r];
+        rstd[r] = rstds[begin + r];
+      }
+    }
+    int stage = 0;
+    for (int64_t row = begin; row < end; row += 2) {  // block-uniform: the barriers below are safe
+      const bool two = row + 1 < end;
+      __pipeline_wait_prior(kAhead - 2);  // rows `row` and `row + 1` have landed
+      Pack<T, kPack> xp[2], dp[2];
+      float sum_g[2] = {0.0f, 0.0f}, sum_gxm[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (p < npacks && (r == 0 || two)) {
+          const T* xs = ring + int64_t{stage + r} * 2 * cols;
+          xp[r] = load_pack<T, kPack>(xs + p * kPack);
+          dp[r] = load_pack<T, kPack>(xs + cols + p * kPack);
+          add_row_sums<T, kPack, false>(xp[r], dp[r], sp, mean[r], sum_g[r], sum_gxm[r]);
+        }
+      }
+      // Refill both entries kAhead rows on (the opaque asm: their shared loads have returned).
+      opaque_packs(xp);
+      opaque_packs(dp);
+      request_ring_row<T, kPack>(ring, stage, cols, x, dy, row + kAhead, end, s.cols, npacks);
+      request_ring_row<T, kPack>(ring, stage + 1, cols, x, dy, row + kAhead + 1, end, s.cols, npacks);
+      stage = stage + 2 == kAhead ? 0 : stage + 2;
+      float mean_n[2] = {0.0f, 0.0f}, rstd_n[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (row + 2 + r < end) {
+          mean_n[r] = means[row + 2 + r];
+          rstd_n[r] = rstds[row + 2 + r];
+        }
+      }
+      block_sum4_lean(sum_g[0], sum_gxm[0], sum_g[1], sum_gxm[1], scratch);
+      float c1[2], c0[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float mgx = sum_gxm[r] * rstd[r] * inv_cols;  // mean(g * xhat)
+        c1[r] = -rstd[r] * mgx;
+        c0[r] = -rstd[r] * (sum_g[r] * inv_cols);  // -rstd * mean(g)
+      }
+      opaque_packs(xp);
+      opaque_packs(dp);
+      if (p < npacks) {
+        float sf[kPack];
+        unpack_floats<T, kPack>(sp, sf);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (r == 1 && !two) break;
+          float xf[kPack], df[kPack], out[kPack];
+          unpack_floats<T, kPack>(xp[r], xf);
+          unpack_floats<T, kPack>(dp[r], df);
+#pragma unroll
+          for (int e = 0; e < kPack; ++e) {
+            const float xhat = (xf[e] - mean[r]) * rstd[r];
+            const float gv = mul_rn(df[e], sf[e]);
+            out[e] = fmaf(gv, rstd[r], fmaf(xhat, c1[r], c0[r]));
+            racc_s[e] = fmaf(df[e], xhat, racc_s[e]);
+            racc_b[e] += df[e];
+          }
+          store_pack(dx + (row + r) * s.cols + p * kPack, pack_floats<T, kPack>(out));
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mean[r] = mean_n[r];
+        rstd[r] = rstd_n[r];
+      }
+    }
+    if (p < npacks) store_column_sums<kPack, false>(sacc, cols, p, racc_s, racc_b);
+    if (store_cluster_sums<T>(a, sacc)) continue;
+    copy_slot_sums<kPack, 1, false>(slot_ptr<T>(a, g, j), cols, sacc, cols, npacks);
+  }
+}
+
+
 }  // namespace jaxops::layer_norm
