@@ -517,6 +517,37 @@ def test_row_ring_matches_register_prefetch_gpu(key, monkeypatch, dtype, rows, c
 
 
 @gpu_only
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rows,cols", [(3000, 8192), (1000, 4104), (7, 6152), (1, 8192)])
+def test_held_params_forward_matches_lean_gpu(key, monkeypatch, dtype, rows, cols):
+    # 16-bit layer_norm rows of 8-16 KB run forward_block_async_held (session 46: persistent
+    # blocks keep their scale and bias packs in registers and copy the next row by cp.async);
+    # JAXOPS_LN_NO_HELD=1 forces forward_block_lean. 3000 rows: several a block; 7 and 1: fewer
+    # rows than blocks; 4104 columns (513 packs) leave most threads 2 packs and one thread 3. The
+    # same arithmetic in the same order: y, and dx through the saved mean and rstd, must be the
+    # same bits; rows far from zero with a large first element check the shift and the third pass.
+    k1, k2, k3 = jax.random.split(key, 3)
+    x = normal(k1, (rows, cols), dtype) + jnp.asarray(3.0, dtype)
+    x = x.at[:, 0].set(jnp.asarray(300.0, dtype))
+    scale, bias = params(k2, cols, dtype)
+    g = normal(k3, (rows, cols), dtype)
+
+    def fwd_bwd(x, s, b, g):
+        y, vjp = jax.vjp(jaxops.layer_norm, x, s, b)
+        return (y,) + vjp(g)
+
+    f = jax.jit(fwd_bwd)
+    held = f(x, scale, bias, g)
+    monkeypatch.setenv("JAXOPS_LN_NO_HELD", "1")
+    lean = f(x, scale, bias, g)
+    for u, v in zip(held, lean):
+        np.testing.assert_array_equal(np.asarray(u.astype(jnp.float32)).view(np.uint32),
+                                      np.asarray(v.astype(jnp.float32)).view(np.uint32))
+    monkeypatch.delenv("JAXOPS_LN_NO_HELD")
+    _check_forward(key, dtype, rows, cols, 1.5)
+
+
+@gpu_only
 @pytest.mark.parametrize("cluster", ["1", "2", "8"])
 @pytest.mark.parametrize("dtype,rows,cols", [(jnp.bfloat16, 3001, 4096), (jnp.bfloat16, 13, 8192),
                                              (jnp.float16, 7000, 1024), (jnp.float32, 2000, 4096),
@@ -668,8 +699,10 @@ def test_widest_team_forward_gpu(key, monkeypatch, widest, dtype, cols):
 def test_lean_block_forward_gpu(key, dtype, cols):
     # forward_block_lean (session 5): one block per row, row cached in shared memory, for 16-byte
     # packs with one parameter group, past the widest team (2048 columns). layer_norm rows of
-    # 16-32 KB (float 6152 / 8192, 16-bit 12296 / 16384) take forward_block_async instead
-    # (session 41: next row by cp.async, persistent grid, 2500 rows = several a block).
+    # 16-32 KB (16-bit 12296 / 16384; float32 8-32 KB since session 46: 2056-8192) take
+    # forward_block_async instead (session 41: next row by cp.async, persistent grid, 2500 rows =
+    # several a block), 16-bit rows of 8-16 KB (6152 / 8192) forward_block_async_held (session 46:
+    # the same with the parameters in registers).
     # 2056 / 6152 leave the last load chunk of 4 packs a thread partly past the row; rows far
     # from zero check the shift (first element) and the saved mean / rstd (through the gradients
     # and the float64 formula). Per-example parameters (vmap, groups > 1) take forward_block_lean
@@ -685,8 +718,9 @@ def test_forward_grid_partial_blocks_gpu(key, dtype, rows, cols):
     # Non-persistent forward grids (session 5: grid = ceil(rows / rows a block), one row group a
     # block): row counts that leave the last block partly empty (lean team blocks hold 4-256 rows:
     # 16-bit one row a team, float two) or give fewer blocks than SMs, for the narrow (8, 128),
-    # wide (1024, 1536) and block (2056, 4096) lean kernels; float32 8192: the persistent
-    # forward_block_async with fewer rows than blocks (a block's only request is its first row).
+    # wide (1024, 1536) and block (2056, 4096) lean kernels; float32 2056-8192 and 16-bit 8192:
+    # the persistent forward_block_async and forward_block_async_held with fewer rows than blocks
+    # (a block's only request is its first row).
     _check_forward(key, dtype, rows, cols, 1.5)
 
 

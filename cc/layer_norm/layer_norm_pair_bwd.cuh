@@ -29,6 +29,23 @@ __device__ __forceinline__ void block_sum4_lean(float& a, float& b, float& c, fl
   d = cuda::warp_reduce<cuda::SumOp>(v.w);
 }
 
+// The row operands of BackwardArgs, typed, in the order the kernels unpack them:
+// const auto [x, dy, dx, means, rstds] = backward_rows_of<T>(a).
+template <class T>
+struct BackwardRows {
+  const T* x;
+  const T* dy;
+  T* dx;
+  const float* means;
+  const float* rstds;
+};
+
+template <class T>
+__device__ __forceinline__ BackwardRows<T> backward_rows_of(const BackwardArgs& a) {
+  return {static_cast<const T*>(a.x), static_cast<const T*>(a.dy), static_cast<T*>(a.dx),
+          static_cast<const float*>(a.mean), static_cast<const float*>(a.rstd)};
+}
+
 template <class T, int kPack, int kPacks, bool kRms>
 __device__ __forceinline__ void backward_rows_pair_body(const BackwardArgs& a, int64_t used, float4* scratch) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -37,11 +54,7 @@ __device__ __forceinline__ void backward_rows_pair_body(const BackwardArgs& a, i
   const int cols = static_cast<int>(s.cols);
   const int npacks = cols / kPack;
   const float inv_cols = a.inv_cols;
-  const T* x = static_cast<const T*>(a.x);
-  const T* dy = static_cast<const T*>(a.dy);
-  T* dx = static_cast<T*>(a.dx);
-  const float* means = static_cast<const float*>(a.mean);
-  const float* rstds = static_cast<const float*>(a.rstd);
+  const auto [x, dy, dx, means, rstds] = backward_rows_of<T>(a);
   for (int64_t slot = blockIdx.x; slot < s.groups * used; slot += gridDim.x) {
     const int64_t g = slot / used, j = slot % used;
     int64_t begin, end;
@@ -160,11 +173,7 @@ __global__ void __launch_bounds__(1024, 1) backward_rows_lean_1024_ring(Backward
   const int cols = static_cast<int>(s.cols);
   const int npacks = cols / kPack;
   const float inv_cols = a.inv_cols;
-  const T* x = static_cast<const T*>(a.x);
-  const T* dy = static_cast<const T*>(a.dy);
-  T* dx = static_cast<T*>(a.dx);
-  const float* means = static_cast<const float*>(a.mean);
-  const float* rstds = static_cast<const float*>(a.rstd);
+  const auto [x, dy, dx, means, rstds] = backward_rows_of<T>(a);
   T* const ring = reinterpret_cast<T*>(sacc + 2 * cols);
   const int p = threadIdx.x;
   for (int64_t slot = blockIdx.x; slot < s.groups * used; slot += gridDim.x) {
