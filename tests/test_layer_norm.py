@@ -523,9 +523,10 @@ def test_held_params_forward_matches_lean_gpu(key, monkeypatch, dtype, rows, col
     # 16-bit layer_norm rows of 8-16 KB run forward_block_async_held (session 46: persistent
     # blocks keep their scale and bias packs in registers and copy the next row by cp.async);
     # JAXOPS_LN_NO_HELD=1 forces forward_block_lean. 3000 rows: several a block; 7 and 1: fewer
-    # rows than blocks; 4104 columns (513 packs) leave most threads 2 packs and one thread 3. The
-    # same arithmetic in the same order: y, and dx through the saved mean and rstd, must be the
-    # same bits; rows far from zero with a large first element check the shift and the third pass.
+    # rows than blocks; 4104 columns (513 packs on 160 threads) leave threads 0-32 4 packs and the
+    # rest 3. The same arithmetic in the same order: y, and dx through the saved mean and rstd,
+    # must be the same bits; rows far from zero with a large first element check the shift and the
+    # third pass.
     k1, k2, k3 = jax.random.split(key, 3)
     x = normal(k1, (rows, cols), dtype) + jnp.asarray(3.0, dtype)
     x = x.at[:, 0].set(jnp.asarray(300.0, dtype))

@@ -115,22 +115,23 @@ __device__ __forceinline__ void forward_block_async_body(const ForwardArgs& a) {
           write_pack<T, kPack>(yr, cache, p, held_s[k], held_b[k], shift, rstd, c);
         }
       }
-    }
-    for (int p0 = threadIdx.x; kHeld == 0 && p0 < npacks; p0 += kWriteChunk * blockDim.x) {
-      Pack<T, kPack> sp[kWriteChunk], bp[kWriteChunk];
+    } else {
+      for (int p0 = threadIdx.x; p0 < npacks; p0 += kWriteChunk * blockDim.x) {
+        Pack<T, kPack> sp[kWriteChunk], bp[kWriteChunk];
 #pragma unroll
-      for (int k = 0; k < kWriteChunk; ++k) {
-        const int p = p0 + k * blockDim.x;
-        if (p < npacks) {
-          sp[k] = load_pack<T, kPack>(scale + p * kPack);
-          bp[k] = load_pack<T, kPack>(bias + p * kPack);
+        for (int k = 0; k < kWriteChunk; ++k) {
+          const int p = p0 + k * blockDim.x;
+          if (p < npacks) {
+            sp[k] = load_pack<T, kPack>(scale + p * kPack);
+            bp[k] = load_pack<T, kPack>(bias + p * kPack);
+          }
         }
-      }
 #pragma unroll
-      for (int k = 0; k < kWriteChunk; ++k) {
-        const int p = p0 + k * blockDim.x;
-        if (p < npacks) {
-          write_pack<T, kPack>(yr, cache, p, sp[k], bp[k], shift, rstd, c);
+        for (int k = 0; k < kWriteChunk; ++k) {
+          const int p = p0 + k * blockDim.x;
+          if (p < npacks) {
+            write_pack<T, kPack>(yr, cache, p, sp[k], bp[k], shift, rstd, c);
+          }
         }
       }
     }

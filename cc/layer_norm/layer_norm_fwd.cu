@@ -184,14 +184,11 @@ bool widest_team(int64_t npacks, bool rms) {
   return !rms;
 }
 
-// Whether forward_block_async_held takes these rows (see its launch in forward_packed).
-// JAXOPS_LN_NO_HELD=1 (a test hook, read at every launch) leaves them to forward_block_lean.
-template <class T, int kPack>
-bool held_forward(const ForwardArgs& a, size_t row_bytes, int threads, const cuda::DeviceInfo& info) {
-  if (const char* e = std::getenv("JAXOPS_LN_NO_HELD"); e != nullptr && e[0] == '1') return false;
-  return lean_forward<T, kPack>(a) && !a.shape.rms && row_bytes > kShareBytes / 4 &&
-         row_bytes <= kShareBytes / 2 && threads <= kHeldForwardThreads &&
-         2 * row_bytes <= dynamic_smem_limit(info, 64 * sizeof(float));
+// JAXOPS_LN_NO_HELD=1 (a test hook, read at every launch): 16-bit layer_norm rows of 8-16 KB take
+// forward_block_lean instead of forward_block_async_held.
+bool held_disabled() {
+  const char* e = std::getenv("JAXOPS_LN_NO_HELD");
+  return e != nullptr && e[0] == '1';
 }
 
 template <class T, int kPack>
@@ -235,9 +232,10 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
       // float32 rows of 8-16 KB: 32768x3072 215.7 / 206.7, 16384x3584 128.2 / 125.0, 16384x3968
       // 141.8 / 139.4, 32768x2560 179.8 / 178.3, 16384x4096 143.4 / 143.3 (143.5 / 141.7, +1 %, in
       // another run). 16-bit rows of 16 KB lost (bf16 8192x8192 73.1 / 75.0).
+      const bool two_rows_fit =  // what both persistent kernels below need: two rows a block
+          lean_forward<T, kPack>(a) && !a.shape.rms && 2 * smem <= dynamic_smem_limit(info, 64 * sizeof(A));
       const size_t async_floor = sizeof(T) == 4 ? kShareBytes / 4 : kShareBytes / 2;
-      if (lean_forward<T, kPack>(a) && !a.shape.rms && smem > async_floor && threads <= kAsyncForwardThreads &&
-          2 * smem <= dynamic_smem_limit(info, 64 * sizeof(A))) {
+      if (two_rows_fit && smem > async_floor && threads <= kAsyncForwardThreads) {
         kernel = forward_block_async<T, kPack>;
         launch_smem = 2 * smem;
         persistent = true;
@@ -247,7 +245,8 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
       // 105.1, 8192x8192 73.8 / 72.3, 16384x5120 89.6 / 88.9, 16384x4104 77.8 / 76.9. Not below
       // 8 KB: 16384x4096 71.8 / 76.5 (though 32768x3072 110.7 / 106.9, 32768x2560 97.4 / 93.6).
       if constexpr (sizeof(T) == 2) {
-        if (held_forward<T, kPack>(a, smem, threads, info)) {
+        if (two_rows_fit && smem > kShareBytes / 4 && smem <= kShareBytes / 2 && threads <= kHeldForwardThreads &&
+            !held_disabled()) {
           kernel = forward_block_async_held<T, kPack>;
           launch_smem = 2 * smem;
           persistent = true;

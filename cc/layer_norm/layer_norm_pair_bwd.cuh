@@ -266,5 +266,4 @@ __global__ void __launch_bounds__(1024, 1) backward_rows_lean_1024_ring(Backward
   }
 }
 
-
 }  // namespace jaxops::layer_norm
