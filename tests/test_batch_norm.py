@@ -554,9 +554,9 @@ def test_gpu_resnet_shape(key, dtype):
 
 # The one-kernel training forward (cc/batch_norm/bn_resident.cu) on shapes that fill the GPU's
 # shared memory: float16, channel counts whose warp stride is not a multiple of C (7 applies on 28
-# warps; 1000, with no such stride, takes the streaming kernels), a partial last block. It takes 16-bit inputs only without a
-# residual and up to 64K elements a block, so those cases run without one; bfloat16
-# (64,56,56,64), past that limit, checks that the streaming kernels take it.
+# warps; 1000, with no such stride, takes the streaming kernels), a partial last block. It takes
+# 16-bit inputs up to 64K elements a block (with a residual since session 47: (32,56,56,64) and
+# (6001,8)); bfloat16 (64,56,56,64), past that limit, checks that the streaming kernels take it.
 # The statistics read 16-byte packs when C / P is a power of two <= 32 and C <= 128 (VecStats): one
 # pack column (C = 8 bf16), 8, 16 and 32 of them, a partial last block; C = 7 and 1000 take the scalar form.
 # Many channels over few rows ((3001, 128), (128,7,7,320), (64,14,14,192), (4096, 1024)) merge the
@@ -579,7 +579,8 @@ def test_gpu_resnet_shape(key, dtype):
                           ((8001, 1024), jnp.float32, True),
                           ((128, 7, 7, 320), jnp.float32, True), ((64, 14, 14, 192), jnp.bfloat16, False),
                           ((4096, 1024), jnp.bfloat16, False), ((64, 28, 28, 96), jnp.bfloat16, False),
-                          ((128, 28, 28, 40), jnp.float32, True)])
+                          ((128, 28, 28, 40), jnp.float32, True), ((32, 56, 56, 64), jnp.bfloat16, True),
+                          ((6001, 8), jnp.float16, True)])
 def test_gpu_resident_forward(key, shape, dtype, with_residual):
     check_large_add_relu(key, shape, dtype, with_residual)
 
@@ -592,13 +593,14 @@ import numpy as np
 import jaxops
 
 out = {}
-# Odd cases without a residual: the one kernel takes float32 slices of any size, residual ones up
-# to 64K elements a block, 16-bit ones only without a residual and up to 64K elements. The last two
-# are larger than shared memory (bn_hybrid.cu).
+# Odd cases without a residual: the one kernel takes float32 slices of any size, residual ones and
+# 16-bit ones up to 64K elements a block. Cases 5 and 6 are larger than shared memory (bn_hybrid.cu);
+# case 8 is 16-bit with a residual on the one kernel.
 for i, (shape, dtype) in enumerate([((16, 112, 112, 32), jnp.float32), ((16, 112, 112, 32), jnp.bfloat16),
                                     ((3, 70001, 7), jnp.float32), ((2000, 1000), jnp.float16),
                                     ((64, 56, 56, 64), jnp.float32), ((128, 28, 28, 256), jnp.bfloat16),
-                                    ((4096, 1024), jnp.float32)]):
+                                    ((4096, 1024), jnp.float32), ((8, 56, 56, 64), jnp.float16),
+                                    ((32, 56, 56, 64), jnp.bfloat16)]):
     k = jax.random.split(jax.random.PRNGKey(i), 5)
     c = shape[-1]
     x = (2 * jax.random.normal(k[0], shape, jnp.float32) + 0.5).astype(dtype)
@@ -628,7 +630,7 @@ def test_gpu_resident_matches_streaming(tmp_path):
     # each forced on every shape, and the launcher's own choice.
     for merge in ("", "all", "spread"):
         one = _probe(tmp_path, _PATH_PROBE, "resident" + merge, {"JAXOPS_BN_MERGE": merge} if merge else {})
-        assert sorted(one) == sorted(two) and len(one) == 4 * 8 + 3 * 7
+        assert sorted(one) == sorted(two) and len(one) == 8 * 5 + 7 * 4
         for k in one:
             a, b = one[k], two[k]
             # 16-bit y and gradients: a last-bit difference of the statistics can flip one rounding

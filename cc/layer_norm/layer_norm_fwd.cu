@@ -74,12 +74,15 @@ cudaError_t launch_narrow_rows(const ForwardArgs& a, const cuda::DeviceInfo& inf
 template <class T, int kPack>
 cudaError_t launch_narrow(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream,
                           int width) {
-  // Lean kernel: bfloat16 / float16 one row a team (40 registers, 12 blocks an SM), float two
-  // (H100, 524288x128, session 5: bf16 101.1 vs 101.6 us with two rows, f32 199.0 vs 200.6 with
-  // one). forward_team (session 4): 16-bit two rows a team (108 vs 113 us with one), float and
-  // double one (float two measured 5 % slower; double two spilled 40-60 bytes).
+  // Lean kernel: two rows a team, so a lane has two 16-byte packs in flight. 16-bit rows took one
+  // on the H100 (session 5, bf16 524288x128: 101.1 vs 101.6 us with two); on the H200 one row
+  // left bf16 at 0.77 of copy, below XLA, and two measured (session 47, bf16, same process)
+  // layer_norm 82.2 -> 73.1 us and rms_norm 81.0 -> 68.0 at 32-256 columns; four rows spilled
+  // (layer_norm 134 us). float two (H100: 199.0 vs 200.6 with one). forward_team (session 4):
+  // 16-bit two rows a team (108 vs 113 us with one), float and double one (float two measured
+  // 5 % slower; double two spilled 40-60 bytes).
   if constexpr (kLeanType<T, kPack>) {
-    if (lean_forward<T, kPack>(a)) return launch_narrow_rows<T, kPack, sizeof(T) == 2 ? 1 : 2, true>(a, info, stream, width);
+    if (lean_forward<T, kPack>(a)) return launch_narrow_rows<T, kPack, 2, true>(a, info, stream, width);
   }
   return launch_narrow_rows<T, kPack, sizeof(T) == 2 ? 2 : 1, false>(a, info, stream, width);
 }
