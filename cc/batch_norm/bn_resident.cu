@@ -1,6 +1,6 @@
 // Training forward of batch_norm in one cooperative kernel, for inputs that fit in the GPU's
-// shared memory (about 27 MB on an H100: float32 up to (16,112,112,32); 16-bit types without a
-// residual and up to 64K elements a block, e.g. bfloat16 BN+ReLU (16,112,112,32)).
+// shared memory (about 27 MB on an H100: float32 up to (16,112,112,32); 16-bit types up to 64K
+// elements a block, e.g. bfloat16 BN+ReLU and BN+Add+ReLU (16,112,112,32)).
 // Each block copies its slice of rows into shared memory and reduces it, the grid synchronises
 // once to merge the partial statistics, and every block applies the normalisation from shared
 // memory. x is read from DRAM once instead of twice, and the three kernels of the streaming path
