@@ -116,6 +116,36 @@ __device__ __forceinline__ void add_row_sums(const Pack<T, kPack>& xq, const Pac
   }
 }
 
+// dx = fmaf(g, rstd, fmaf(xhat, c1, c0)) (derived at the top of this file), written once for the
+// lean, pair and ring kernels: their dx, dscale and dbias must stay bit-identical to one another.
+// A row's c1 = -rstd * mean(g * xhat) and c0 = -rstd * mean(g) (0 for rms_norm) from its block sums.
+template <bool kRms>
+__device__ __forceinline__ void dx_coefs(float sum_g, float sum_gxm, float rstd, float inv_cols, float& c1,
+                                         float& c0) {
+  const float mgx = sum_gxm * rstd * inv_cols;  // mean(g * xhat)
+  c1 = -rstd * mgx;
+  c0 = kRms ? 0.0f : -rstd * (sum_g * inv_cols);  // -rstd * mean(g)
+}
+
+// A pack's dx and its column terms in element order: dy * xhat into `as`, dy into `ab` (layer_norm).
+// Floats in and out, so that each caller keeps its unpacks where they were (the pair kernels unpack
+// the scale once for two rows): unpacking here reordered the float16 unpacks (inline asm) and changed
+// the SASS of these tuned kernels; as it is, their cubins are byte-identical to the formula written
+// out in each (session 47, sm_80 and sm_90, nvcc 13.0).
+template <int kPack, bool kRms>
+__device__ __forceinline__ void dx_pack(const float (&xf)[kPack], const float (&df)[kPack], const float (&sf)[kPack],
+                                        float mean, float rstd, float c1, float c0, float (&out)[kPack],
+                                        float (&as)[kPack], float (&ab)[kPack]) {
+#pragma unroll
+  for (int e = 0; e < kPack; ++e) {
+    const float xhat = kRms ? xf[e] * rstd : (xf[e] - mean) * rstd;
+    const float gv = mul_rn(df[e], sf[e]);  // rounded once, as in add_row_sums
+    out[e] = fmaf(gv, rstd, fmaf(xhat, c1, c0));
+    as[e] = fmaf(df[e], xhat, as[e]);
+    if constexpr (!kRms) ab[e] += df[e];
+  }
+}
+
 // The ring (kAhead rows of x and dy in shared memory, [kAhead][2][cols] of T, one pack a thread):
 // entry `i` gets row `row` by cp.async, one commit group a call even past `end` (an empty group),
 // so that "the group kAhead - 1 commits back" is always the oldest row's. Each thread copies and
@@ -226,9 +256,8 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
       if constexpr (kSplit) split_row_sums<kSplit>(sum_g, sum_gxm, parts, parity);
       else block_sum2_lean(sum_g, sum_gxm, scratch);
       parity ^= 1;
-      const float mgx = sum_gxm * rstd * inv_cols;  // mean(g * xhat)
-      const float c1 = -rstd * mgx;
-      const float c0 = kRms ? 0.0f : -rstd * (sum_g * inv_cols);  // -rstd * mean(g)
+      float c1, c0;
+      dx_coefs<kRms>(sum_g, sum_gxm, rstd, inv_cols, c1, c0);
       // Keep x and dy live across the barrier only packed (the converted floats would be 32 more).
       opaque_packs(xp);
       opaque_packs(dp);
@@ -251,14 +280,7 @@ __device__ __forceinline__ void backward_rows_lean_body(const BackwardArgs& a, i
           } else {
             load_column_sums<kPack, kRms>(sacc, cols, p, as, ab);
           }
-#pragma unroll
-          for (int e = 0; e < kPack; ++e) {
-            const float xhat = kRms ? xf[e] * rstd : (xf[e] - mean) * rstd;
-            const float gv = mul_rn(df[e], sf[e]);
-            out[e] = fmaf(gv, rstd, fmaf(xhat, c1, c0));
-            as[e] = fmaf(df[e], xhat, as[e]);
-            if constexpr (!kRms) ab[e] += df[e];
-          }
+          dx_pack<kPack, kRms>(xf, df, sf, mean, rstd, c1, c0, out, as, ab);
           store_pack(dxr + p * kPack, pack_floats<T, kPack>(out));
           if constexpr (kRegAcc) {
 #pragma unroll

@@ -100,11 +100,7 @@ __device__ __forceinline__ void backward_rows_pair_body(const BackwardArgs& a, i
       block_sum4_lean(sum_g[0], sum_gxm[0], sum_g[1], sum_gxm[1], scratch);
       float c1[2], c0[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float mgx = sum_gxm[r] * rstd[r] * inv_cols;  // mean(g * xhat)
-        c1[r] = -rstd[r] * mgx;
-        c0[r] = kRms ? 0.0f : -rstd[r] * (sum_g[r] * inv_cols);  // -rstd * mean(g)
-      }
+      for (int r = 0; r < 2; ++r) dx_coefs<kRms>(sum_g[r], sum_gxm[r], rstd[r], inv_cols, c1[r], c0[r]);
       opaque_packs(xp[0]);
       opaque_packs(dp[0]);
       opaque_packs(xp[1]);
@@ -123,14 +119,7 @@ __device__ __forceinline__ void backward_rows_pair_body(const BackwardArgs& a, i
             float xf[kPack], df[kPack], out[kPack];
             unpack_floats<T, kPack>(xp[r][k], xf);
             unpack_floats<T, kPack>(dp[r][k], df);
-#pragma unroll
-            for (int e = 0; e < kPack; ++e) {
-              const float xhat = kRms ? xf[e] * rstd[r] : (xf[e] - mean[r]) * rstd[r];
-              const float gv = mul_rn(df[e], sf[e]);
-              out[e] = fmaf(gv, rstd[r], fmaf(xhat, c1[r], c0[r]));
-              as[e] = fmaf(df[e], xhat, as[e]);
-              if constexpr (!kRms) ab[e] += df[e];
-            }
+            dx_pack<kPack, kRms>(xf, df, sf, mean[r], rstd[r], c1[r], c0[r], out, as, ab);
             store_pack(dx + (row + r) * s.cols + p * kPack, pack_floats<T, kPack>(out));
           }
           store_column_sums<kPack, kRms>(sacc, cols, p, as, ab);
@@ -227,11 +216,7 @@ __global__ void __launch_bounds__(1024, 1) backward_rows_lean_1024_ring(Backward
       block_sum4_lean(sum_g[0], sum_gxm[0], sum_g[1], sum_gxm[1], scratch);
       float c1[2], c0[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float mgx = sum_gxm[r] * rstd[r] * inv_cols;  // mean(g * xhat)
-        c1[r] = -rstd[r] * mgx;
-        c0[r] = -rstd[r] * (sum_g[r] * inv_cols);  // -rstd * mean(g)
-      }
+      for (int r = 0; r < 2; ++r) dx_coefs<false>(sum_g[r], sum_gxm[r], rstd[r], inv_cols, c1[r], c0[r]);
       opaque_packs(xp);
       opaque_packs(dp);
       if (p < npacks) {
@@ -243,14 +228,7 @@ __global__ void __launch_bounds__(1024, 1) backward_rows_lean_1024_ring(Backward
           float xf[kPack], df[kPack], out[kPack];
           unpack_floats<T, kPack>(xp[r], xf);
           unpack_floats<T, kPack>(dp[r], df);
-#pragma unroll
-          for (int e = 0; e < kPack; ++e) {
-            const float xhat = (xf[e] - mean[r]) * rstd[r];
-            const float gv = mul_rn(df[e], sf[e]);
-            out[e] = fmaf(gv, rstd[r], fmaf(xhat, c1[r], c0[r]));
-            racc_s[e] = fmaf(df[e], xhat, racc_s[e]);
-            racc_b[e] += df[e];
-          }
+          dx_pack<kPack, false>(xf, df, sf, mean[r], rstd[r], c1[r], c0[r], out, racc_s, racc_b);
           store_pack(dx + (row + r) * s.cols + p * kPack, pack_floats<T, kPack>(out));
         }
       }
