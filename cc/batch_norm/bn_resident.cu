@@ -336,19 +336,18 @@ cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void
   const int64_t q = 32 / std::gcd<int64_t>(C, 32);
   const int64_t want = std::max<int64_t>(dev.sm_count, 1);
   int64_t rpb = cuda::ceil_div(std::max(cuda::ceil_div(R, want), cuda::ceil_div(R, cap)), q) * q;
-  // With a residual the apply also reads it from DRAM, one 16-byte load per lane and chunk, and
-  // its latency is exposed: measured (H100, session 7) the one kernel wins at 48.7K elements a
-  // block (float32 (16,112,112,32): 40.7 vs 43.8 us) and loses at 97K (bfloat16 (64,56,56,64):
-  // 50.6 vs 46.5 us).
-  if (residual && rpb * C > kLightBlockElems) return cudaSuccess;
-  // 16-bit types hold twice the elements a byte, and this kernel's shared-memory passes cost
-  // instructions an element: the streaming kernels, whose second read of an x this small hits L2,
-  // were faster (H100, session 25, bfloat16: BN+ReLU (64,56,56,64), 97K elements a block, 34.8
+  // Past kLightBlockElems a block the streaming kernels win, with a residual or 16-bit elements.
+  // A residual: the apply also reads it from DRAM, one 16-byte load per lane and chunk, and its
+  // latency is exposed: measured (H100, session 7) the one kernel wins at 48.7K elements a block
+  // (float32 (16,112,112,32): 40.7 vs 43.8 us) and loses at 97K (bfloat16 (64,56,56,64): 50.6 vs
+  // 46.5 us). 16-bit types hold twice the elements a byte, and this kernel's shared-memory passes
+  // cost instructions an element: the streaming kernels, whose second read of an x this small hits
+  // L2, were faster (H100, session 25, bfloat16: BN+ReLU (64,56,56,64), 97K elements a block, 34.8
   // against 38.5 us) except for BN+ReLU (16,112,112,32) (20.0 against 21.6). With a residual they
   // also were on the H100 then (BN+Add+ReLU (16,112,112,32), 48.7K, 24.8 against 26.7), but since
   // sessions 43 and 45 made this kernel's apply leaner the one kernel wins (H200, session 47:
   // 22.9 -> 20.2 us, same process).
-  if (esize == 2 && rpb * C > kLightBlockElems) return cudaSuccess;
+  if ((residual || esize == 2) && rpb * C > kLightBlockElems) return cudaSuccess;
   // The apply runs on the most warps (at least half) whose stride is a multiple of C, so each lane
   // keeps its channels' coefficients in registers: C = 96, 112, 192, 320, 40, 7 on 28-30 warps.
   // Channel counts with no such stride (e.g. 1000) take the streaming kernels: reloading the
