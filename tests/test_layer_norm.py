@@ -623,15 +623,16 @@ def test_split_rows_backward_vmap_gpu(key):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("cols", [64, 128])
+@pytest.mark.parametrize("cols", [32, 64, 128, 136, 256])
 def test_narrow_team_forward_gpu(key, dtype, cols):
-    # forward_team with one 16-byte pack per lane: 16-bit types take 2 rows a team per iteration
-    # (block of 128 threads: rows base + r * teams + team), float32 1. 40013 rows leave a partial
-    # last iteration: 16-bit 128 columns (8 teams of 16 lanes, 16 rows an iteration, 13 left):
-    # teams 0-4 get two rows, teams 5-7 a single leftover row; 16-bit 64 columns (16 teams, 32 rows,
-    # 13 left): teams 0-12 one row each; float32 (4 or 8 teams, 1 row): 1 or 5 rows left. At 128
-    # columns the grid (<= 132 SMs x blocks per SM) is smaller than the iterations: the grid-stride
-    # loop runs. The gradients use the forward's saved mean/rstd of every row.
+    # The lean narrow forward (blocks of 128 threads, a grid-stride loop over row groups). 16-bit
+    # rows of 64-256 columns: one row a team of half the lanes, two 16-byte packs a lane (session
+    # 48): 128 columns 16 teams of 8 lanes, 136 columns (17 packs) 16 lanes where only lane 0 has
+    # a second pack, 256 columns 16 lanes with both packs full. 16-bit 32 columns and float32: one
+    # pack a lane, two rows a team (rows base + r * teams + team): 40013 rows leave a partial last
+    # iteration (16-bit 32 columns: 32 teams, 64 rows an iteration, 13 left: teams 0-12 one row
+    # each). At 128 columns the grid (<= 132 SMs x blocks per SM) is smaller than the iterations:
+    # the grid-stride loop runs. The gradients use the forward's saved mean/rstd of every row.
     rows = 40013
     k1, k2 = jax.random.split(key)
     x = normal(k1, (rows, cols), dtype, scale=2.0) + jnp.asarray(1.5, dtype)
@@ -718,7 +719,8 @@ def test_lean_block_forward_gpu(key, dtype, cols):
 def test_forward_grid_partial_blocks_gpu(key, dtype, rows, cols):
     # Non-persistent forward grids (session 5: grid = ceil(rows / rows a block), one row group a
     # block): row counts that leave the last block partly empty (lean team blocks hold 4-256 rows:
-    # 16-bit one row a team, float two) or give fewer blocks than SMs, for the narrow (8, 128),
+    # 16-bit rows of 64-256 columns one a team, other narrow rows two) or give fewer blocks than
+    # SMs, for the narrow (8, 128),
     # wide (1024, 1536) and block (2056, 4096) lean kernels; float32 2056-8192 and 16-bit 8192:
     # the persistent forward_block_async and forward_block_async_held with fewer rows than blocks
     # (a block's only request is its first row).

@@ -95,18 +95,29 @@ __device__ __forceinline__ void forward_lean_body(const ForwardArgs& a) {
   const int npacks = static_cast<int>(s.cols / kPack);  // <= 32 * 8 here
   const auto [inv_cols, eps, x, y, scale, bias] = lean_setup<T>(a);
   // One group only (the launcher sends vmapped per-example parameters to forward_team). Narrow
-  // rows (one pack a lane) keep the scale/bias packs for the whole kernel; wide rows re-load them
-  // per row (L1 hits): holding kPacks x 2 packs more spilled.
-  constexpr bool one_group = kPacks == 1;
+  // rows (teams narrower than a warp: one or two packs a lane) keep the scale/bias packs for the
+  // whole kernel; wide rows re-load them per row (L1 hits): holding kPacks x 2 packs more spilled.
+  constexpr bool one_group = kPacks == 1 || kWidth < 32;
+  constexpr int kHeld = one_group ? kPacks : 1;
   // One group (no vmap over parameters): the lane's scale/bias packs are the same for every row.
-  Pack<T, kPack> sp, bp;
-  if (one_group && lane < npacks) {  // (lanes past the row never use them)
-    sp = load_pack<T, kPack>(scale + lane * kPack);
-    if constexpr (!kRms) bp = load_pack<T, kPack>(bias + lane * kPack);
+  Pack<T, kPack> sp[kHeld], bp[kHeld];
+#pragma unroll
+  for (int k = 0; k < kHeld; ++k) {
+    const int p = lane + k * kWidth;
+    if (one_group && p < npacks) {  // (lanes past the row never use them)
+      sp[k] = load_pack<T, kPack>(scale + p * kPack);
+      if constexpr (!kRms) bp[k] = load_pack<T, kPack>(bias + p * kPack);
+    }
   }
   const int64_t step = static_cast<int64_t>(gridDim.x) * teams * kRows;
   // Block-uniform trip count: the shuffles need every lane of a warp, even past the last row.
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * teams * kRows; base < s.rows; base += step) {
+    // Two held 16-bit packs a lane: opaque every row, or the compiler converts them to 32 floats
+    // once, outside the loop (spills at the 56-register cap).
+    if constexpr (kHeld > 1 && sizeof(T) == 2) {
+      opaque_packs(sp);
+      if constexpr (!kRms) opaque_packs(bp);
+    }
     Pack<T, kPack> xp[kRows][kPacks];
     float d[kKeep ? kRows : 1][kKeep ? kPacks : 1][kPack];
     float shift[kRows], mean_rel[kRows], rstd[kRows];
@@ -200,8 +211,8 @@ __device__ __forceinline__ void forward_lean_body(const ForwardArgs& a) {
           }
         }
         if constexpr (one_group) {
-          unpack_floats<T, kPack>(sp, sf);  // (kPacks == 1: p == lane)
-          if constexpr (!kRms) unpack_floats<T, kPack>(bp, bf);
+          unpack_floats<T, kPack>(sp[k], sf);
+          if constexpr (!kRms) unpack_floats<T, kPack>(bp[k], bf);
         } else {
           unpack_floats<T, kPack>(load_pack<T, kPack>(scale + p * kPack), sf);
           if constexpr (!kRms) unpack_floats<T, kPack>(load_pack<T, kPack>(bias + p * kPack), bf);
@@ -224,21 +235,22 @@ __device__ __forceinline__ void forward_lean_body(const ForwardArgs& a) {
   }
 }
 
-// Register cap (ptxas -v, sm_90): narrow rows hold the scale/bias packs and (two 16-bit rows) 16
-// floats of row: 56 registers (9 blocks of 128 threads, 56 % occupancy, as forward_team achieved;
-// 48 spilled 8 bytes, 40 12-64); one row: 40. Wide 16-bit rows of 4 packs: 56 (48 spilled 16-100
+// Register cap (ptxas -v, sm_90): narrow rows hold the scale/bias packs and (two 16-bit rows, or
+// one row of two packs) 16 floats of row: 56 registers (9 blocks of 128 threads, 56 % occupancy,
+// as forward_team achieved; 48 spilled 8 bytes, 40 12-64; two packs at 48 spilled 112); one row
+// of one pack: 40. Wide 16-bit rows of 4 packs: 56 (48 spilled 16-100
 // bytes), of 2 packs: 48; the widest teams (64 values a lane, session 33): 16-bit 96 (80 spilled
 // 40 bytes, 72 116), float 128 (96 spilled 16); the rest as forward_team.
 template <class T>
-constexpr int lean_min_blocks(int packs, int bytes) {
-  if (packs == 1) return bytes > 16 ? 9 : 12;
+constexpr int lean_min_blocks(int packs, int width, int bytes) {
+  if (packs == 1 || width < 32) return bytes > 16 ? 9 : 12;
   if (bytes / static_cast<int>(sizeof(T)) >= 64) return sizeof(T) == 2 ? 5 : 4;
   if (sizeof(T) == 2 && packs >= 2) return packs >= 4 ? 9 : 10;  // (2 packs: 40 spilled 16 B on sm_80)
   return forward_min_blocks<T>(bytes);
 }
 
 template <class T, int kPack, int kPacks, int kWidth, int kRows>
-__global__ void __launch_bounds__(128, lean_min_blocks<T>(kPacks, kPack* kPacks * kRows * sizeof(T)))
+__global__ void __launch_bounds__(128, lean_min_blocks<T>(kPacks, kWidth, kPack* kPacks * kRows * sizeof(T)))
     forward_lean(ForwardArgs a) {
   cuda::enter_kernel();
   static_assert(sizeof(T) <= 4 && kPack * sizeof(T) == 16, "16-byte packs of float / 16-bit types");
