@@ -623,16 +623,17 @@ def test_split_rows_backward_vmap_gpu(key):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("cols", [32, 64, 128, 136, 256])
+@pytest.mark.parametrize("cols", [24, 32, 64, 128, 136, 256])
 def test_narrow_team_forward_gpu(key, dtype, cols):
     # The lean narrow forward (blocks of 128 threads, a grid-stride loop over row groups). 16-bit
-    # rows of 64-256 columns: one row a team of half the lanes, two 16-byte packs a lane (session
-    # 48): 128 columns 16 teams of 8 lanes, 136 columns (17 packs) 16 lanes where only lane 0 has
-    # a second pack, 256 columns 16 lanes with both packs full. 16-bit 32 columns and float32: one
-    # pack a lane, two rows a team (rows base + r * teams + team): 40013 rows leave a partial last
-    # iteration (16-bit 32 columns: 32 teams, 64 rows an iteration, 13 left: teams 0-12 one row
-    # each). At 128 columns the grid (<= 132 SMs x blocks per SM) is smaller than the iterations:
-    # the grid-stride loop runs. The gradients use the forward's saved mean/rstd of every row.
+    # rows of 32 and 40-256 columns: one row a team of half the lanes, two 16-byte packs a lane
+    # (session 48): 32 columns 64 teams of 2 lanes, 128 columns 16 teams of 8 lanes, 136 columns
+    # (17 packs) 16 lanes where only lane 0 has a second pack, 256 columns 16 lanes with both packs
+    # full. 16-bit 24 columns and float32: one pack a lane, two rows a team (rows base + r * teams
+    # + team): 40013 rows leave a partial last iteration (16-bit 24 columns: 32 teams of 4 lanes,
+    # the last idle, 64 rows an iteration, 13 left: teams 0-12 one row each). At 128 columns the
+    # grid (<= 132 SMs x blocks per SM) is smaller than the iterations: the grid-stride loop runs.
+    # The gradients use the forward's saved mean/rstd of every row.
     rows = 40013
     k1, k2 = jax.random.split(key)
     x = normal(k1, (rows, cols), dtype, scale=2.0) + jnp.asarray(1.5, dtype)

@@ -71,11 +71,13 @@ cudaError_t launch_narrow_rows(const ForwardArgs& a, const cuda::DeviceInfo& inf
   }
 }
 
-// 16-bit rows of 8-32 packs (64-256 columns): two packs a lane, one row a team of width / 2 lanes.
+// 16-bit rows of 4 or 5-32 packs (32 or 40-256 columns): two packs a lane, one row a team of
+// width / 2 lanes.
 template <class T, int kPack>
 cudaError_t launch_narrow_pairs(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream,
                                 int width) {
   switch (width) {
+    case 4: return launch_team<T, kPack, 2, 2, 1, true>(a, info, stream);
     case 8: return launch_team<T, kPack, 2, 4, 1, true>(a, info, stream);
     case 16: return launch_team<T, kPack, 2, 8, 1, true>(a, info, stream);
     default: return launch_team<T, kPack, 2, 16, 1, true>(a, info, stream);
@@ -92,16 +94,18 @@ cudaError_t launch_narrow(const ForwardArgs& a, const cuda::DeviceInfo& info, cu
   // (layer_norm 134 us). float two (H100: 199.0 vs 200.6 with one). forward_team (session 4):
   // 16-bit two rows a team (108 vs 113 us with one), float and double one (float two measured
   // 5 % slower; double two spilled 40-60 bytes).
-  // 16-bit rows of 64-256 columns: one row a team of half the lanes, two packs a lane (session 48,
-  // H200, same process, us, two rows a team -> two packs a lane; bf16 layer_norm 524288x128 73.7
-  // -> 71.0, 1048576x64 73.8 -> 70.3, 131072x200 35.3 -> 32.8, 262144x256 73.8 -> 70.8, 4096x128
-  // 2.12 -> 1.89; rms_norm 1.5-4 % faster, 10 % at 4096x128). The same bytes in flight a lane, one
-  // shuffle level less in each tree and half the per-row work a lane. Bit-identical: a lane adds
-  // its two packs' sums where the wider team's xor-width/2 level added the same two.
+  // 16-bit rows of 32 and 40-256 columns: one row a team of half the lanes, two packs a lane
+  // (session 48, H200, same process, us, two rows a team -> two packs a lane; bf16 layer_norm
+  // 524288x128 73.7 -> 71.0, 1048576x64 73.8 -> 70.3, 2097152x32 73.9 -> 71.3, 131072x200 35.3 ->
+  // 32.8, 262144x256 73.8 -> 70.8, 4096x128 2.12 -> 1.89; rms_norm 1.5-4 % faster, 10 % at
+  // 4096x128). The same bytes in flight a lane, one shuffle level less in each tree and half the
+  // per-row work a lane. Bit-identical: a lane adds its two packs' sums where the wider team's
+  // xor-width/2 level added the same two. Not 24 columns (3 packs on 2 lanes): layer_norm
+  // 2796202x24 level (85.2 -> 84.8), rms_norm 75.8 -> 79.5.
   if constexpr (kLeanType<T, kPack>) {
     if (lean_forward<T, kPack>(a)) {
       if constexpr (sizeof(T) == 2) {
-        if (width >= 8) return launch_narrow_pairs<T, kPack>(a, info, stream, width);
+        if (width >= 8 || a.shape.cols == 4 * kPack) return launch_narrow_pairs<T, kPack>(a, info, stream, width);
       }
       return launch_narrow_rows<T, kPack, 2, true>(a, info, stream, width);
     }
