@@ -720,11 +720,10 @@ def test_lean_block_forward_gpu(key, dtype, cols):
 def test_forward_grid_partial_blocks_gpu(key, dtype, rows, cols):
     # Non-persistent forward grids (session 5: grid = ceil(rows / rows a block), one row group a
     # block): row counts that leave the last block partly empty (lean team blocks hold 4-256 rows:
-    # 16-bit rows of 64-256 columns one a team, other narrow rows two) or give fewer blocks than
-    # SMs, for the narrow (8, 128),
-    # wide (1024, 1536) and block (2056, 4096) lean kernels; float32 2056-8192 and 16-bit 8192:
-    # the persistent forward_block_async and forward_block_async_held with fewer rows than blocks
-    # (a block's only request is its first row).
+    # 16-bit rows of 32 and 40-256 columns one a team, other narrow rows two) or give fewer blocks
+    # than SMs, for the narrow (8, 128), wide (1024, 1536) and block (2056, 4096) lean kernels;
+    # float32 2056-8192 and 16-bit 8192: the persistent forward_block_async and
+    # forward_block_async_held with fewer rows than blocks (a block's only request is its first row).
     _check_forward(key, dtype, rows, cols, 1.5)
 
 
