@@ -623,15 +623,18 @@ def test_split_rows_backward_vmap_gpu(key):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("cols", [24, 32, 64, 128, 136, 256])
+@pytest.mark.parametrize("cols", [12, 16, 24, 32, 64, 100, 128, 136, 256])
 def test_narrow_team_forward_gpu(key, dtype, cols):
-    # The lean narrow forward (blocks of 128 threads, a grid-stride loop over row groups). 16-bit
-    # rows of 32 and 40-256 columns: one row a team of half the lanes, two 16-byte packs a lane
-    # (session 48): 32 columns 64 teams of 2 lanes, 128 columns 16 teams of 8 lanes, 136 columns
-    # (17 packs) 16 lanes where only lane 0 has a second pack, 256 columns 16 lanes with both packs
-    # full. 16-bit 24 columns and float32: one pack a lane, two rows a team (rows base + r * teams
-    # + team): 40013 rows leave a partial last iteration (16-bit 24 columns: 32 teams of 4 lanes,
-    # the last idle, 64 rows an iteration, 13 left: teams 0-12 one row each). At 128 columns the
+    # The lean narrow forward (blocks of 128 threads, a grid-stride loop over row groups). Rows of
+    # 4 or 5-32 16-byte packs: one row a team of half the lanes, two packs a lane (16-bit session
+    # 48, float32 session 49), pack k of lane l at l + k * lanes: float32 16 columns 2 lanes, 24
+    # columns (6 packs) 4 lanes where lanes 0-1 have a second pack, 100 columns (25 packs) 16 lanes
+    # where lanes 0-8 do, 128 columns 16 lanes with both full; 16-bit 32 columns 2 lanes, 136
+    # columns (17 packs) 16 lanes where only lane 0 has a second pack, 256 columns 16 lanes full.
+    # Rows of 1-3 packs (float32 12 columns, 16-bit 16 and 24): one pack a lane, two rows a team
+    # (rows base + r * teams + team): 40013 rows leave a partial last iteration (16-bit 24 columns:
+    # 32 teams of 4 lanes, the last idle, 64 rows an iteration, 13 left: teams 0-12 one row each).
+    # 16-bit 12 and 100 columns are not whole packs: scalar packs, forward_team. At 128 columns the
     # grid (<= 132 SMs x blocks per SM) is smaller than the iterations: the grid-stride loop runs.
     # The gradients use the forward's saved mean/rstd of every row.
     rows = 40013
@@ -720,8 +723,8 @@ def test_lean_block_forward_gpu(key, dtype, cols):
 def test_forward_grid_partial_blocks_gpu(key, dtype, rows, cols):
     # Non-persistent forward grids (session 5: grid = ceil(rows / rows a block), one row group a
     # block): row counts that leave the last block partly empty (lean team blocks hold 4-256 rows:
-    # 16-bit rows of 32 and 40-256 columns one a team, other narrow rows two) or give fewer blocks
-    # than SMs, for the narrow (8, 128), wide (1024, 1536) and block (2056, 4096) lean kernels;
+    # rows of 4 or 5-32 16-byte packs one a team, other narrow rows two) or give fewer blocks than
+    # SMs, for the narrow (8, 128), wide (1024, 1536) and block (2056, 4096) lean kernels;
     # float32 2056-8192 and 16-bit 8192: the persistent forward_block_async and
     # forward_block_async_held with fewer rows than blocks (a block's only request is its first row).
     _check_forward(key, dtype, rows, cols, 1.5)

@@ -57,27 +57,44 @@ cudaError_t launch_team(const ForwardArgs& a, const cuda::DeviceInfo& info, cuda
     return launch_team_kernel(forward_team<T, kPack, kPacks, kWidth, kRows>, kWidth, kRows, true, a, info, stream);
 }
 
-// Rows of npacks <= 32 packs: one pack per lane, kWidth = next power of two, kRows rows a team.
-template <class T, int kPack, int kRows, bool kLean>
+// Rows of npacks <= 32 packs (older kernels): one pack per lane, kWidth = next power of two, kRows
+// rows a team.
+template <class T, int kPack, int kRows>
 cudaError_t launch_narrow_rows(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream,
                                int width) {
   switch (width) {
-    case 1: return launch_team<T, kPack, 1, 1, kRows, kLean>(a, info, stream);
-    case 2: return launch_team<T, kPack, 1, 2, kRows, kLean>(a, info, stream);
-    case 4: return launch_team<T, kPack, 1, 4, kRows, kLean>(a, info, stream);
-    case 8: return launch_team<T, kPack, 1, 8, kRows, kLean>(a, info, stream);
-    case 16: return launch_team<T, kPack, 1, 16, kRows, kLean>(a, info, stream);
-    default: return launch_team<T, kPack, 1, 32, kRows, kLean>(a, info, stream);
+    case 1: return launch_team<T, kPack, 1, 1, kRows, false>(a, info, stream);
+    case 2: return launch_team<T, kPack, 1, 2, kRows, false>(a, info, stream);
+    case 4: return launch_team<T, kPack, 1, 4, kRows, false>(a, info, stream);
+    case 8: return launch_team<T, kPack, 1, 8, kRows, false>(a, info, stream);
+    case 16: return launch_team<T, kPack, 1, 16, kRows, false>(a, info, stream);
+    default: return launch_team<T, kPack, 1, 32, kRows, false>(a, info, stream);
   }
 }
 
-// 16-bit rows of 4 or 5-32 packs (32 or 40-256 columns): two packs a lane, one row a team of
-// width / 2 lanes.
+// Lean kernel, rows of npacks <= 32 16-byte packs. Rows of 1-2 or 3 packs: one pack a lane, two
+// rows a team, so a lane has two packs in flight. Rows of 4 or 5-32 packs: two packs a lane, one row
+// a team of width / 2 lanes: the same bytes in flight a lane, one shuffle level less in each tree
+// and half the per-row work a lane. Bit-identical either way: a lane adds its two packs' sums
+// where the wider team's xor-width/2 level added the same two.
+//
+// Measured on the H200 (same process, us). Two rows a team against one (session 47, bf16):
+// layer_norm 82.2 -> 73.1, rms_norm 81.0 -> 68.0 at 32-256 columns; four rows spilled (134). Two
+// packs a lane against two rows a team: session 48, bf16 layer_norm 524288x128 73.7 -> 71.0,
+// 1048576x64 73.8 -> 70.3, 2097152x32 73.9 -> 71.3, 131072x200 35.3 -> 32.8, 262144x256 73.8 ->
+// 70.8, 4096x128 2.12 -> 1.89, rms_norm 1.5-4 % faster; session 49, float32 layer_norm 524288x128
+// 136.5 -> 134.2, 1048576x64 137.0 -> 135.3, 2097152x32 137.4 -> 131.4, 655360x100 146.0 -> 137.9,
+// 4096x128 2.39 -> 2.18, rms_norm 0.2-3 % faster. Not 3 packs on 2 lanes (24 bf16 columns):
+// layer_norm level (85.2 -> 84.8), rms_norm 75.8 -> 79.5.
 template <class T, int kPack>
-cudaError_t launch_narrow_pairs(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream,
-                                int width) {
+cudaError_t launch_narrow_lean(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream,
+                               int width) {
   switch (width) {
-    case 4: return launch_team<T, kPack, 2, 2, 1, true>(a, info, stream);
+    case 1: return launch_team<T, kPack, 1, 1, 2, true>(a, info, stream);
+    case 2: return launch_team<T, kPack, 1, 2, 2, true>(a, info, stream);
+    case 4:
+      if (a.shape.cols == 4 * kPack) return launch_team<T, kPack, 2, 2, 1, true>(a, info, stream);
+      return launch_team<T, kPack, 1, 4, 2, true>(a, info, stream);
     case 8: return launch_team<T, kPack, 2, 4, 1, true>(a, info, stream);
     case 16: return launch_team<T, kPack, 2, 8, 1, true>(a, info, stream);
     default: return launch_team<T, kPack, 2, 16, 1, true>(a, info, stream);
@@ -87,30 +104,12 @@ cudaError_t launch_narrow_pairs(const ForwardArgs& a, const cuda::DeviceInfo& in
 template <class T, int kPack>
 cudaError_t launch_narrow(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream,
                           int width) {
-  // Lean kernel: two rows a team, so a lane has two 16-byte packs in flight. 16-bit rows took one
-  // on the H100 (session 5, bf16 524288x128: 101.1 vs 101.6 us with two); on the H200 one row
-  // left bf16 at 0.77 of copy, below XLA, and two measured (session 47, bf16, same process)
-  // layer_norm 82.2 -> 73.1 us and rms_norm 81.0 -> 68.0 at 32-256 columns; four rows spilled
-  // (layer_norm 134 us). float two (H100: 199.0 vs 200.6 with one). forward_team (session 4):
-  // 16-bit two rows a team (108 vs 113 us with one), float and double one (float two measured
-  // 5 % slower; double two spilled 40-60 bytes).
-  // 16-bit rows of 32 and 40-256 columns: one row a team of half the lanes, two packs a lane
-  // (session 48, H200, same process, us, two rows a team -> two packs a lane; bf16 layer_norm
-  // 524288x128 73.7 -> 71.0, 1048576x64 73.8 -> 70.3, 2097152x32 73.9 -> 71.3, 131072x200 35.3 ->
-  // 32.8, 262144x256 73.8 -> 70.8, 4096x128 2.12 -> 1.89; rms_norm 1.5-4 % faster, 10 % at
-  // 4096x128). The same bytes in flight a lane, one shuffle level less in each tree and half the
-  // per-row work a lane. Bit-identical: a lane adds its two packs' sums where the wider team's
-  // xor-width/2 level added the same two. Not 24 columns (3 packs on 2 lanes): layer_norm
-  // 2796202x24 level (85.2 -> 84.8), rms_norm 75.8 -> 79.5.
   if constexpr (kLeanType<T, kPack>) {
-    if (lean_forward<T, kPack>(a)) {
-      if constexpr (sizeof(T) == 2) {
-        if (width >= 8 || a.shape.cols == 4 * kPack) return launch_narrow_pairs<T, kPack>(a, info, stream, width);
-      }
-      return launch_narrow_rows<T, kPack, 2, true>(a, info, stream, width);
-    }
+    if (lean_forward<T, kPack>(a)) return launch_narrow_lean<T, kPack>(a, info, stream, width);
   }
-  return launch_narrow_rows<T, kPack, sizeof(T) == 2 ? 2 : 1, false>(a, info, stream, width);
+  // forward_team (session 4): 16-bit two rows a team (108 vs 113 us with one), float and double
+  // one (float two measured 5 % slower; double two spilled 40-60 bytes).
+  return launch_narrow_rows<T, kPack, sizeof(T) == 2 ? 2 : 1>(a, info, stream, width);
 }
 
 template <class T, int kPack, int kPacks>
