@@ -72,7 +72,7 @@ cudaError_t launch_narrow_rows(const ForwardArgs& a, const cuda::DeviceInfo& inf
   }
 }
 
-// Lean kernel, rows of npacks <= 32 16-byte packs. Rows of 1-2 or 3 packs: one pack a lane, two
+// Lean kernel, rows of npacks <= 32 16-byte packs. Rows of 1-3 packs: one pack a lane, two
 // rows a team, so a lane has two packs in flight. Rows of 4 or 5-32 packs: two packs a lane, one row
 // a team of width / 2 lanes: the same bytes in flight a lane, one shuffle level less in each tree
 // and half the per-row work a lane. Bit-identical either way: a lane adds its two packs' sums
