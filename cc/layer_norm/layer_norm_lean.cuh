@@ -97,14 +97,14 @@ __device__ __forceinline__ void forward_lean_body(const ForwardArgs& a) {
   // One group only (the launcher sends vmapped per-example parameters to forward_team). Narrow
   // rows (teams narrower than a warp: one or two packs a lane) keep the scale/bias packs for the
   // whole kernel; wide rows re-load them per row (L1 hits): holding kPacks x 2 packs more spilled.
-  constexpr bool one_group = kPacks == 1 || kWidth < 32;
-  constexpr int kHeld = one_group ? kPacks : 1;
-  // One group (no vmap over parameters): the lane's scale/bias packs are the same for every row.
+  // With one group the lane's scale/bias packs are the same for every row.
+  constexpr bool hold_params = kPacks == 1 || kWidth < 32;
+  constexpr int kHeld = hold_params ? kPacks : 1;
   Pack<T, kPack> sp[kHeld], bp[kHeld];
 #pragma unroll
   for (int k = 0; k < kHeld; ++k) {
     const int p = lane + k * kWidth;
-    if (one_group && p < npacks) {  // (lanes past the row never use them)
+    if (hold_params && p < npacks) {  // (lanes past the row never use them)
       sp[k] = load_pack<T, kPack>(scale + p * kPack);
       if constexpr (!kRms) bp[k] = load_pack<T, kPack>(bias + p * kPack);
     }
@@ -210,7 +210,7 @@ __device__ __forceinline__ void forward_lean_body(const ForwardArgs& a) {
             for (int e = 0; e < kPack; ++e) f[e] -= shift[r];
           }
         }
-        if constexpr (one_group) {
+        if constexpr (hold_params) {
           unpack_floats<T, kPack>(sp[k], sf);
           if constexpr (!kRms) unpack_floats<T, kPack>(bp[k], bf);
         } else {
