@@ -646,6 +646,21 @@ def test_narrow_team_forward_gpu(key, dtype, cols):
     _check_both_grads(x, scale, bias, dtype)
 
 
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("cols", [132, 200, 252, 256])
+def test_team_lean_backward_gpu(key, dtype, cols):
+    # backward_team_lean (session 50). float32 rows of 33-63 packs: two packs a lane over a full
+    # warp (132 columns: only lane 0 has a second pack; 200: lanes 0-17; 252: all but lane 31);
+    # 256 (64 packs) keeps backward_team. 16-bit 200 / 256 columns: one pack a lane (25 / 32
+    # packs); 132 / 252 are not whole packs (scalar packs, backward_team). 40013 rows leave a
+    # partial last iteration of teams; per-example parameters (vmap) run it with groups, and the
+    # grouped check also wants dscale / dbias bit-identical over two runs.
+    x, scale, bias = _check_forward(key, dtype, 40013, cols, 3.0)
+    _check_both_grads(x, scale, bias, dtype)
+    _check_grouped(key, dtype, 3, 701, cols)
+
+
 def test_misaligned_rows_fall_back_to_scalar_packs(key):
     # cols not a multiple of the 16-byte pack: scalar loads in every path.
     k1, k2 = jax.random.split(key)

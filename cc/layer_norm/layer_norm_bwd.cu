@@ -1,6 +1,7 @@
 // Backward launchers: dx and per-slot partial column sums (team / block-cached / uncached
 // kernel by row length), then reduce_slots for dscale (and dbias).
 #include <cstdlib>
+#include <type_traits>
 
 #include "layer_norm/layer_norm_cuda.h"
 #include "layer_norm/layer_norm_bwd_kernels.cuh"
@@ -9,6 +10,7 @@
 #include "layer_norm/layer_norm_long_bwd.cuh"
 #include "layer_norm/layer_norm_pair_bwd.cuh"
 #include "layer_norm/layer_norm_split.cuh"
+#include "layer_norm/layer_norm_team_bwd.cuh"
 
 namespace jaxops::layer_norm {
 namespace {
@@ -226,16 +228,47 @@ cudaError_t launch_team(const BackwardArgs& a, const cuda::DeviceInfo& info, cud
   return launch_slotted<T>(backward_team<T, kPack, kPacks, kWidth>, a, info, kTeamThreads, smem, stream);
 }
 
+// Rows of <= 32 16-byte packs (float32, bf16, f16): the lean arithmetic (layer_norm_team_bwd.cuh).
+// H200, session 50 run 1, layer_norm_bwd us (backward_team -> backward_team_lean): bf16 524288x128
+// 120.8 -> 113.1, 2097152x32 119.9 -> 114.8, 4096x128 9.33 -> 8.82; float32 524288x128 217.3 ->
+// 216.4; rms_norm_bwd bf16 524288x128 114.9 -> 107.1.
+template <class T, int kPack, int kPacks, int kWidth, int kMinBlocks>
+cudaError_t launch_team_lean(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
+  const size_t smem = sizeof(float) * num_acc(a.shape.rms) * static_cast<size_t>(a.shape.cols);
+  auto kernel = a.shape.rms ? backward_team_lean<T, kPack, kPacks, kWidth, true, kMinBlocks>
+                            : backward_team_lean<T, kPack, kPacks, kWidth, false, kMinBlocks>;
+  return launch_slotted<T>(kernel, a, info, kTeamThreads, smem, stream);
+}
+
+// float32 capped for 6 blocks an SM (40 registers, no spill; 45 uncapped: 5 blocks). 16-bit
+// uncapped (0): 55-58 registers (4 blocks), rms_norm 40-48 (5); an explicit 4 lets ptxas grow
+// rms_norm to 60-63.
+template <class T, int kPack, int kWidth>
+cudaError_t launch_narrow_lean(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
+  return launch_team_lean<T, kPack, 1, kWidth, sizeof(T) == 4 ? 6 : 0>(a, info, stream);
+}
+
 template <class T, int kPack>
 cudaError_t launch_narrow(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream,
                           int width) {
-  switch (width) {
-    case 1: return launch_team<T, kPack, 1, 1>(a, info, stream);
-    case 2: return launch_team<T, kPack, 1, 2>(a, info, stream);
-    case 4: return launch_team<T, kPack, 1, 4>(a, info, stream);
-    case 8: return launch_team<T, kPack, 1, 8>(a, info, stream);
-    case 16: return launch_team<T, kPack, 1, 16>(a, info, stream);
-    default: return launch_team<T, kPack, 1, 32>(a, info, stream);
+  if constexpr (sizeof(T) <= 4 && kPack * sizeof(T) == 16) {
+    switch (width) {
+      case 1: return launch_narrow_lean<T, kPack, 1>(a, info, stream);
+      case 2: return launch_narrow_lean<T, kPack, 2>(a, info, stream);
+      case 4: return launch_narrow_lean<T, kPack, 4>(a, info, stream);
+      case 8: return launch_narrow_lean<T, kPack, 8>(a, info, stream);
+      case 16: return launch_narrow_lean<T, kPack, 16>(a, info, stream);
+      default: return launch_narrow_lean<T, kPack, 32>(a, info, stream);
+    }
+  } else {  // narrower packs (unaligned rows, float64)
+    switch (width) {
+      case 1: return launch_team<T, kPack, 1, 1>(a, info, stream);
+      case 2: return launch_team<T, kPack, 1, 2>(a, info, stream);
+      case 4: return launch_team<T, kPack, 1, 4>(a, info, stream);
+      case 8: return launch_team<T, kPack, 1, 8>(a, info, stream);
+      case 16: return launch_team<T, kPack, 1, 16>(a, info, stream);
+      default: return launch_team<T, kPack, 1, 32>(a, info, stream);
+    }
   }
 }
 
@@ -250,6 +283,16 @@ cudaError_t launch_warp(const BackwardArgs& a, const cuda::DeviceInfo& info, cud
 // Team (register accumulators) or warp (shared-memory accumulators) kernel for kPacks per lane.
 template <class T, int kPack, int kPacks>
 cudaError_t launch_full_warp(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
+  // float32 rows of 33-63 packs (132-252 columns): the lean arithmetic, two packs a lane, capped at
+  // 4 blocks (64 / 60 registers, as backward_team's 63). H200, session 50 run 3, layer_norm_bwd us
+  // (backward_team -> backward_team_lean): 508400x132 280.6 -> 221.8, 419430x160 261.6 -> 215.0,
+  // 349525x192 225.3 -> 212.5, 266305x252 220.7 -> 216.9; rms_norm_bwd alike. Rows of exactly 64
+  // packs (256 columns), all lanes full, keep backward_team: 208.5 there against 210.9 (rms_norm
+  // 205.0 / 206.2). 16-bit rows of 33-64 packs lost with it (run 2: bf16 131072x512 113.0 ->
+  // 125.7 against backward_warp).
+  if constexpr (std::is_same_v<T, float> && kPack == 4 && kPacks == 2) {
+    if (a.shape.cols < 64 * kPack) return launch_team_lean<T, kPack, 2, 32, 4>(a, info, stream);
+  }
   if constexpr (warp_acc_in_smem(kPack, kPacks)) return launch_warp<T, kPack, kPacks>(a, info, stream);
   else return launch_team<T, kPack, kPacks, 32>(a, info, stream);
 }

@@ -102,6 +102,46 @@ __device__ __forceinline__ void row_stats(const BackwardArgs& a, int64_t row, ac
   rstd = static_cast<const acc_t<T>*>(a.rstd)[row];
 }
 
+// The end of a team kernel's slot: the teams of each warp combined (lanes l, l + kWidth, ... own
+// the same columns), then the warps in order into buf (nacc x cols values of shared memory), then
+// buf written as the slot's partial row. with_bias: the dbias sums too (false for rms_norm, whose
+// acc_b is unused). The caller synchronizes before buf is rewritten.
+template <class T, class A, int kPack, int kPacks, int kWidth>
+__device__ __forceinline__ void store_team_sums(const BackwardArgs& a, int64_t g, int64_t j, bool with_bias,
+                                                A (&acc_s)[kPacks][kPack], A (&acc_b)[kPacks][kPack], A* buf) {
+  const int cols = static_cast<int>(a.shape.cols), npacks = cols / kPack;
+  const int lane = threadIdx.x % kWidth, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+    for (int e = 0; e < kPack; ++e)
+#pragma unroll
+      for (int offset = kWidth; offset < 32; offset *= 2) {
+        acc_s[k][e] += __shfl_xor_sync(0xffffffffu, acc_s[k][e], offset);
+        if (with_bias) acc_b[k][e] += __shfl_xor_sync(0xffffffffu, acc_b[k][e], offset);
+      }
+  for (int w = 0; w < nwarps; ++w) {
+    if (warp == w && threadIdx.x % 32 < kWidth) {
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int p = lane + k * kWidth;
+        if (p < npacks) {
+#pragma unroll
+          for (int e = 0; e < kPack; ++e) {
+            const int c = p * kPack + e;
+            buf[c] = (w == 0 ? A(0) : buf[c]) + acc_s[k][e];
+            if (with_bias) buf[cols + c] = (w == 0 ? A(0) : buf[cols + c]) + acc_b[k][e];
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  A* out = slot_ptr<T>(a, g, j);
+  const int n = (with_bias ? 2 : 1) * cols;
+  for (int c = threadIdx.x; c < n; c += blockDim.x) out[c] = buf[c];
+}
+
 // Teams of kWidth lanes per row, row and column accumulators in registers. At the end of a slot
 // the teams' accumulators are combined (shuffles inside a warp, then warps in order through
 // shared memory: nacc * cols values) and written as the slot's partial row.
@@ -114,7 +154,6 @@ __global__ void __launch_bounds__(256) backward_team(BackwardArgs a, int64_t use
   const Shape s = a.shape;
   const int nacc = num_acc(s.rms);
   const int teams = blockDim.x / kWidth, team = threadIdx.x / kWidth, lane = threadIdx.x % kWidth;
-  const int warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
   const int64_t npacks = s.cols / kPack;
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
@@ -159,36 +198,7 @@ __global__ void __launch_bounds__(256) backward_team(BackwardArgs a, int64_t use
                                        mgx, acc_s[k], acc_b[k]));
       }
     }
-    // Combine the teams of each warp (lanes l, l + kWidth, ... own the same columns) ...
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k)
-#pragma unroll
-      for (int e = 0; e < kPack; ++e)
-#pragma unroll
-        for (int offset = kWidth; offset < 32; offset *= 2) {
-          acc_s[k][e] += __shfl_xor_sync(0xffffffffu, acc_s[k][e], offset);
-          acc_b[k][e] += __shfl_xor_sync(0xffffffffu, acc_b[k][e], offset);
-        }
-    // ... then the warps, in order, into buf.
-    for (int w = 0; w < nwarps; ++w) {
-      if (warp == w && threadIdx.x % 32 < kWidth) {
-#pragma unroll
-        for (int k = 0; k < kPacks; ++k) {
-          const int64_t p = lane + k * kWidth;
-          if (p < npacks) {
-#pragma unroll
-            for (int e = 0; e < kPack; ++e) {
-              const int64_t c = p * kPack + e;
-              buf[c] = (w == 0 ? A(0) : buf[c]) + acc_s[k][e];
-              if (nacc == 2) buf[s.cols + c] = (w == 0 ? A(0) : buf[s.cols + c]) + acc_b[k][e];
-            }
-          }
-        }
-      }
-      __syncthreads();
-    }
-    A* out = slot_ptr<T>(a, g, j);
-    for (int64_t c = threadIdx.x; c < nacc * s.cols; c += blockDim.x) out[c] = buf[c];
+    store_team_sums<T, A, kPack, kPacks, kWidth>(a, g, j, nacc == 2, acc_s, acc_b, buf);
     __syncthreads();  // buf is rewritten by the next slot
   }
 }
