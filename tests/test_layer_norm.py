@@ -634,8 +634,9 @@ def test_narrow_team_forward_gpu(key, dtype, cols):
     # Rows of 1-3 packs (float32 12 columns, 16-bit 16 and 24): one pack a lane, two rows a team
     # (rows base + r * teams + team): 40013 rows leave a partial last iteration (16-bit 24 columns:
     # 32 teams of 4 lanes, the last idle, 64 rows an iteration, 13 left: teams 0-12 one row each).
-    # 16-bit 12 and 100 columns are not whole packs: scalar packs, forward_team. At 128 columns the
-    # grid (<= 132 SMs x blocks per SM) is smaller than the iterations: the grid-stride loop runs.
+    # 16-bit 12 and 100 columns are not whole packs: scalar packs, forward_team at 12 and
+    # forward_block at 100 (past 32 columns). At 128 columns the grid (<= 132 SMs x blocks per
+    # SM) is smaller than the iterations: the grid-stride loop runs.
     # The gradients use the forward's saved mean/rstd of every row.
     rows = 40013
     k1, k2 = jax.random.split(key)
@@ -653,9 +654,9 @@ def test_team_lean_backward_gpu(key, dtype, cols):
     # backward_team_lean (session 50). float32 rows of 33-63 packs: two packs a lane over a full
     # warp (132 columns: only lane 0 has a second pack; 200: lanes 0-17; 252: all but lane 31);
     # 256 (64 packs) keeps backward_team. 16-bit 200 / 256 columns: one pack a lane (25 / 32
-    # packs); 132 / 252 are not whole packs (scalar packs, backward_team). 40013 rows leave a
-    # partial last iteration of teams; per-example parameters (vmap) run it with groups, and the
-    # grouped check also wants dscale / dbias bit-identical over two runs.
+    # packs); 132 / 252 are not whole packs (scalar packs past 32 columns: backward_block).
+    # 40013 rows leave a partial last iteration of teams; per-example parameters (vmap) run it
+    # with groups, and the grouped check also wants dscale / dbias bit-identical over two runs.
     x, scale, bias = _check_forward(key, dtype, 40013, cols, 3.0)
     _check_both_grads(x, scale, bias, dtype)
     _check_grouped(key, dtype, 3, 701, cols)
