@@ -634,8 +634,8 @@ def test_narrow_team_forward_gpu(key, dtype, cols):
     # Rows of 1-3 packs (float32 12 columns, 16-bit 16 and 24): one pack a lane, two rows a team
     # (rows base + r * teams + team): 40013 rows leave a partial last iteration (16-bit 24 columns:
     # 32 teams of 4 lanes, the last idle, 64 rows an iteration, 13 left: teams 0-12 one row each).
-    # 16-bit 12 and 100 columns are not whole packs: scalar packs, forward_team at 12 and
-    # forward_block at 100 (past 32 columns). At 128 columns the grid (<= 132 SMs x blocks per
+    # 16-bit 12 and 100 columns are not whole packs: scalar packs, forward_team at 12 and a
+    # full-warp team of 4 elements a lane at 100 (session 51). At 128 columns the grid (<= 132 SMs x blocks per
     # SM) is smaller than the iterations: the grid-stride loop runs.
     # The gradients use the forward's saved mean/rstd of every row.
     rows = 40013
@@ -654,7 +654,7 @@ def test_team_lean_backward_gpu(key, dtype, cols):
     # backward_team_lean (session 50). float32 rows of 33-63 packs: two packs a lane over a full
     # warp (132 columns: only lane 0 has a second pack; 200: lanes 0-17; 252: all but lane 31);
     # 256 (64 packs) keeps backward_team. 16-bit 200 / 256 columns: one pack a lane (25 / 32
-    # packs); 132 / 252 are not whole packs (scalar packs past 32 columns: backward_block).
+    # packs); 132 / 252 are not whole packs (scalar packs: full-warp teams of 8 elements a lane).
     # 40013 rows leave a partial last iteration of teams; per-example parameters (vmap) run it
     # with groups, and the grouped check also wants dscale / dbias bit-identical over two runs.
     x, scale, bias = _check_forward(key, dtype, 40013, cols, 3.0)
@@ -670,6 +670,19 @@ def test_misaligned_rows_fall_back_to_scalar_packs(key):
         scale, bias = params(k2, cols, jnp.bfloat16)
         close(jaxops.layer_norm(x, scale, bias), ln_ref(x, scale, bias), jnp.bfloat16)
         close(jaxops.rms_norm(x, scale), rms_ref(x, scale), jnp.bfloat16)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("cols", [33, 63, 131, 255, 1001])
+def test_misaligned_rows_gpu(key, dtype, cols):
+    # Rows that are not whole 16-byte packs (float32 odd widths; 16-bit widths not a multiple of
+    # 8) take the scalar-pack kernels: teams of one element a lane up to 32 columns, full-warp
+    # teams of 2-8 up to 256, one block a row past that (1001). 3001 rows leave partial iterations;
+    # both gradients; per-example parameters under vmap, dscale / dbias bit-identical over two runs.
+    x, scale, bias = _check_forward(key, dtype, 3001, cols, 3.0)
+    _check_both_grads(x, scale, bias, dtype)
+    _check_grouped(key, dtype, 3, 101, cols)
 
 
 def _check_lean_forward(key, dtype, rows, cols, grad_rows, vmap_rows):

@@ -303,7 +303,7 @@ constexpr bool kLeanRows = sizeof(T) == 2 && kPack == 8;
 
 template <class T, int kPack>
 cudaError_t launch_wide(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream, int packs) {
-  if constexpr (kPack > 1) {
+  if constexpr (kPack > 1 || sizeof(T) <= 4) {  // (float64 scalar teams spill)
     if (packs <= 2) return launch_full_warp<T, kPack, 2>(a, info, stream);
     if constexpr (!kLeanRows<T, kPack>) {  // (16-bit: backward_packed sent > 64 packs elsewhere)
       if (packs <= 4 && 4 * kPack <= 32) return launch_full_warp<T, kPack, 4>(a, info, stream);
@@ -317,7 +317,10 @@ template <class T, int kPack>
 cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
   using A = acc_t<T>;
   const int64_t npacks = a.shape.cols / kPack;
-  constexpr int64_t kMaxTeamPacks = kPack > 1 ? 32 * std::min(8, 32 / kPack) : 32;
+  // Rows that are not whole 16-byte packs take full-warp teams of 2-8 elements a lane up to 256
+  // columns as well (session 51, H200, us, one block a row / team): f32 layer_norm_bwd 1048576x63
+  // 1186 / 249, forward 1185 / 361; bf16 layer_norm_bwd 508400x132 771 / 367 (float64 spills).
+  constexpr int64_t kMaxTeamPacks = kPack > 1 || sizeof(T) <= 4 ? 32 * std::min(8, 32 / kPack) : 32;
   if (npacks <= 32) return launch_narrow<T, kPack>(a, info, stream, team_width(npacks));
   if constexpr (kLeanRows<T, kPack>) {
     // 16-bit rows of 65-128 packs (520-1024 columns): the lean row kernel with one pack a thread

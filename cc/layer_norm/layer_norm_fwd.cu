@@ -123,7 +123,7 @@ cudaError_t launch_wide_team(const ForwardArgs& a, const cuda::DeviceInfo& info,
 // Full-warp teams with several 16-byte packs per lane (at most 32 elements per lane).
 template <class T, int kPack>
 cudaError_t launch_wide(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream, int packs) {
-  if constexpr (kPack > 1) {
+  if constexpr (kPack > 1 || sizeof(T) <= 4) {  // (float64 scalar teams spill)
     if (packs <= 2) return launch_wide_team<T, kPack, 2>(a, info, stream);
     if (packs <= 4 && 4 * kPack <= 32) return launch_wide_team<T, kPack, 4>(a, info, stream);
     if constexpr (8 * kPack <= 32) return launch_wide_team<T, kPack, 8>(a, info, stream);
@@ -222,7 +222,10 @@ bool held_disabled() {
 template <class T, int kPack>
 cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
   const int64_t npacks = a.shape.cols / kPack;
-  constexpr int64_t kMaxTeamPacks = kPack > 1 ? 32 * std::min(8, 32 / kPack) : 32;
+  // Rows that are not whole 16-byte packs take full-warp teams of 2-8 elements a lane up to 256
+  // columns as well (session 51, H200, us, one block a row / team): f32 layer_norm_bwd 1048576x63
+  // 1186 / 249, forward 1185 / 361; bf16 layer_norm_bwd 508400x132 771 / 367 (float64 spills).
+  constexpr int64_t kMaxTeamPacks = kPack > 1 || sizeof(T) <= 4 ? 32 * std::min(8, 32 / kPack) : 32;
   if (npacks <= 32) return launch_narrow<T, kPack>(a, info, stream, team_width(npacks));
   if (npacks <= kMaxTeamPacks) return launch_wide<T, kPack>(a, info, stream, team_packs(npacks));
   if constexpr (kLeanType<T, kPack>) {

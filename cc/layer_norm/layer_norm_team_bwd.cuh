@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(256, kMinBlocks) backward_team_lean(BackwardAr
   const Shape s = a.shape;
   const int teams = blockDim.x / kWidth, team = threadIdx.x / kWidth, lane = threadIdx.x % kWidth;
   const int npacks = static_cast<int>(s.cols / kPack);
-  const float inv_cols = 1.0f / static_cast<float>(s.cols);
+  const float inv_cols = a.inv_cols;
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
   T* dx = static_cast<T*>(a.dx);
