@@ -674,11 +674,12 @@ def test_misaligned_rows_fall_back_to_scalar_packs(key):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("cols", [33, 63, 131, 255, 1001])
+@pytest.mark.parametrize("cols", [5, 31, 33, 63, 131, 255, 1001])
 def test_misaligned_rows_gpu(key, dtype, cols):
     # Rows that are not whole 16-byte packs (float32 odd widths; 16-bit widths not a multiple of
-    # 8) take the scalar-pack kernels: teams of one element a lane up to 32 columns, full-warp
-    # teams of 2-8 up to 256, one block a row past that (1001). 3001 rows leave partial iterations;
+    # 8) take the scalar-pack kernels: teams of one element a lane up to 32 columns (5: a team of
+    # 8 lanes, 3 past the row; 31), full-warp teams of 2-8 up to 256, one block a row past that
+    # (1001). 3001 rows leave partial iterations;
     # both gradients; per-example parameters under vmap, dscale / dbias bit-identical over two runs.
     x, scale, bias = _check_forward(key, dtype, 3001, cols, 3.0)
     _check_both_grads(x, scale, bias, dtype)
