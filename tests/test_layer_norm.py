@@ -635,8 +635,8 @@ def test_narrow_team_forward_gpu(key, dtype, cols):
     # (rows base + r * teams + team): 40013 rows leave a partial last iteration (16-bit 24 columns:
     # 32 teams of 4 lanes, the last idle, 64 rows an iteration, 13 left: teams 0-12 one row each).
     # 16-bit 12 and 100 columns are not whole packs: scalar packs, forward_team at 12 and a
-    # full-warp team of 4 elements a lane at 100 (session 51). At 128 columns the grid (<= 132 SMs x blocks per
-    # SM) is smaller than the iterations: the grid-stride loop runs.
+    # full-warp team of 4 elements a lane at 100 (session 51). At 128 columns the grid (<= 132
+    # SMs x blocks per SM) is smaller than the iterations: the grid-stride loop runs.
     # The gradients use the forward's saved mean/rstd of every row.
     rows = 40013
     k1, k2 = jax.random.split(key)
@@ -679,8 +679,8 @@ def test_misaligned_rows_gpu(key, dtype, cols):
     # Rows that are not whole 16-byte packs (float32 odd widths; 16-bit widths not a multiple of
     # 8) take the scalar-pack kernels: teams of one element a lane up to 32 columns (5: a team of
     # 8 lanes, 3 past the row; 31), full-warp teams of 2-8 up to 256, one block a row past that
-    # (1001). 3001 rows leave partial iterations;
-    # both gradients; per-example parameters under vmap, dscale / dbias bit-identical over two runs.
+    # (1001). 3001 rows leave partial iterations. Both gradients; per-example parameters under
+    # vmap, with dscale / dbias bit-identical over two runs.
     x, scale, bias = _check_forward(key, dtype, 3001, cols, 3.0)
     _check_both_grads(x, scale, bias, dtype)
     _check_grouped(key, dtype, 3, 101, cols)
