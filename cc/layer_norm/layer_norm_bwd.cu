@@ -251,25 +251,12 @@ cudaError_t launch_narrow_lean(const BackwardArgs& a, const cuda::DeviceInfo& in
 template <class T, int kPack>
 cudaError_t launch_narrow(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream,
                           int width) {
-  if constexpr (sizeof(T) <= 4 && kPack * sizeof(T) == 16) {
-    switch (width) {
-      case 1: return launch_narrow_lean<T, kPack, 1>(a, info, stream);
-      case 2: return launch_narrow_lean<T, kPack, 2>(a, info, stream);
-      case 4: return launch_narrow_lean<T, kPack, 4>(a, info, stream);
-      case 8: return launch_narrow_lean<T, kPack, 8>(a, info, stream);
-      case 16: return launch_narrow_lean<T, kPack, 16>(a, info, stream);
-      default: return launch_narrow_lean<T, kPack, 32>(a, info, stream);
-    }
-  } else {  // narrower packs (unaligned rows, float64)
-    switch (width) {
-      case 1: return launch_team<T, kPack, 1, 1>(a, info, stream);
-      case 2: return launch_team<T, kPack, 1, 2>(a, info, stream);
-      case 4: return launch_team<T, kPack, 1, 4>(a, info, stream);
-      case 8: return launch_team<T, kPack, 1, 8>(a, info, stream);
-      case 16: return launch_team<T, kPack, 1, 16>(a, info, stream);
-      default: return launch_team<T, kPack, 1, 32>(a, info, stream);
-    }
-  }
+  return with_team_width(width, [&](auto w) {
+    if constexpr (sizeof(T) <= 4 && kPack * sizeof(T) == 16)
+      return launch_narrow_lean<T, kPack, decltype(w)::value>(a, info, stream);
+    else  // narrower packs (unaligned rows, float64)
+      return launch_team<T, kPack, 1, decltype(w)::value>(a, info, stream);
+  });
 }
 
 // Full-warp rows with >= 16 columns per lane: accumulators in shared memory (backward_warp).

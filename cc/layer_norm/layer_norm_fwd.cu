@@ -62,14 +62,9 @@ cudaError_t launch_team(const ForwardArgs& a, const cuda::DeviceInfo& info, cuda
 template <class T, int kPack, int kRows>
 cudaError_t launch_narrow_rows(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream,
                                int width) {
-  switch (width) {
-    case 1: return launch_team<T, kPack, 1, 1, kRows, false>(a, info, stream);
-    case 2: return launch_team<T, kPack, 1, 2, kRows, false>(a, info, stream);
-    case 4: return launch_team<T, kPack, 1, 4, kRows, false>(a, info, stream);
-    case 8: return launch_team<T, kPack, 1, 8, kRows, false>(a, info, stream);
-    case 16: return launch_team<T, kPack, 1, 16, kRows, false>(a, info, stream);
-    default: return launch_team<T, kPack, 1, 32, kRows, false>(a, info, stream);
-  }
+  return with_team_width(width, [&](auto w) {
+    return launch_team<T, kPack, 1, decltype(w)::value, kRows, false>(a, info, stream);
+  });
 }
 
 // Lean kernel, rows of npacks <= 32 16-byte packs. Rows of 1-3 packs: one pack a lane, two

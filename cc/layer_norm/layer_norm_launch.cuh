@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/cuda_util.cuh"
 #include "common/launch.cuh"
@@ -16,6 +17,20 @@ inline int team_width(int64_t npacks) {
   int w = 1;
   while (w < npacks && w < 32) w *= 2;
   return w;
+}
+
+// f(std::integral_constant<int, W>{}) for the team width W = width (1, 2, 4, 8, 16; else 32): the
+// team kernels take their width as a template argument.
+template <class F>
+auto with_team_width(int width, F&& f) {
+  switch (width) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 16: return f(std::integral_constant<int, 16>{});
+    default: return f(std::integral_constant<int, 32>{});
+  }
 }
 
 // Packs per lane (a power of two) for a full-warp team.
