@@ -1,10 +1,11 @@
 #include "batch_norm/bn_cpu.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "batch_norm/bn_math.h"
-#include "common/cpu_float.h"
+#include "common/cpu_vec.h"
 
 namespace jaxops::batch_norm {
 namespace {
@@ -13,24 +14,31 @@ using cpu::acc_t;
 using cpu::from_float;
 using cpu::to_float;
 
-inline bool bit(const uint32_t* mask, int64_t e) { return (mask[e >> 5] >> (e & 31)) & 1u; }
+// Rows of C channels go through accumulation-type scratch, a pass over the row at a time, so
+// the loops vectorize (cpu_vec.h); the relu mask is packed / unpacked 32 bits at a time at the
+// row's bit offset. (The old loops took the channel as e % C, a 64-bit division an element.)
 
 template <class T>
 void stats(const View& v, const T* x, acc_t<T>* mean, acc_t<T>* var) {
   const int64_t R = v.rows, C = v.channels;
   std::vector<double> s(C), q(C);
+  std::vector<acc_t<T>> row(C);
   for (int64_t g = 0; g < v.groups; ++g) {
     const T* xg = x + g * R * C;
     std::fill(s.begin(), s.end(), 0.0);
     std::fill(q.begin(), q.end(), 0.0);
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t c = 0; c < C; ++c) s[c] += to_float(xg[r * C + c]);
+    for (int64_t r = 0; r < R; ++r) {
+      cpu::widen(xg + r * C, row.data(), C);
+      for (int64_t c = 0; c < C; ++c) s[c] += static_cast<double>(row[c]);
+    }
     for (int64_t c = 0; c < C; ++c) s[c] /= static_cast<double>(R);
-    for (int64_t r = 0; r < R; ++r)
+    for (int64_t r = 0; r < R; ++r) {
+      cpu::widen(xg + r * C, row.data(), C);
       for (int64_t c = 0; c < C; ++c) {
-        const double d = to_float(xg[r * C + c]) - s[c];
+        const double d = static_cast<double>(row[c]) - s[c];
         q[c] += d * d;
       }
+    }
     for (int64_t c = 0; c < C; ++c) {
       mean[g * C + c] = static_cast<acc_t<T>>(s[c]);
       var[g * C + c] = static_cast<acc_t<T>>(q[c] / static_cast<double>(R));
@@ -43,25 +51,33 @@ void apply(const View& v, const T* x, const acc_t<T>* scale, const acc_t<T>* bia
            const acc_t<T>* mean, const acc_t<T>* var, const T* res, T* y, uint32_t* mask, double eps,
            bool relu) {
   using A = acc_t<T>;
-  const int64_t L = v.elements_per_group(), C = v.channels;
-  std::vector<Coef<A>> coef(C);
+  const int64_t R = v.rows, C = v.channels, L = v.elements_per_group();
+  std::vector<A> shift(C), ka(C), kb(C), z(C), rr(res ? C : 0);
+  std::vector<int32_t> pos(C);
   for (int64_t g = 0; g < v.groups; ++g) {
     const int64_t p = g * C;
-    for (int64_t c = 0; c < C; ++c)
-      coef[c] = forward_coef<A>(scale[p + c], bias[p + c], mean[p + c], var[p + c], A(eps));
+    for (int64_t c = 0; c < C; ++c) {
+      const Coef<A> k = forward_coef<A>(scale[p + c], bias[p + c], mean[p + c], var[p + c], A(eps));
+      shift[c] = k.shift, ka[c] = k.a, kb[c] = k.b;
+    }
     uint32_t* mg = v.mask_words ? mask + g * v.mask_words : nullptr;
-    for (int64_t w = 0; mg && w < v.mask_words; ++w) mg[w] = 0;
-    for (int64_t e = 0; e < L; ++e) {
-      const int64_t i = g * L + e;
-      const Coef<A>& k = coef[e % C];
-      A z = (static_cast<A>(to_float(x[i])) - k.shift) * k.a + k.b;
-      if (res) z += static_cast<A>(to_float(res[i]));
-      if (relu) {
-        const bool pos = z > 0;
-        if (!(pos || std::isnan(z))) z = A(0);
-        if (mg && pos) mg[e >> 5] |= 1u << (e & 31);
+    if (mg) std::fill(mg, mg + v.mask_words, 0u);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t i0 = g * L + r * C;
+      cpu::widen(x + i0, z.data(), C);
+      for (int64_t c = 0; c < C; ++c) z[c] = (z[c] - shift[c]) * ka[c] + kb[c];
+      if (res) {
+        cpu::widen(res + i0, rr.data(), C);
+        for (int64_t c = 0; c < C; ++c) z[c] += rr[c];
       }
-      y[i] = from_float<T>(z);
+      if (relu) {
+        for (int64_t c = 0; c < C; ++c) {
+          pos[c] = z[c] > A(0);
+          z[c] = cpu::keep_if(z[c], (z[c] > A(0)) | (z[c] != z[c]));  // NaN propagates like jax.nn.relu
+        }
+        if (mg) cpu::pack_bits(pos.data(), C, mg, r * C);
+      }
+      cpu::narrow(z.data(), y + i0, C);
     }
   }
 }
@@ -71,18 +87,26 @@ void backward_reduce(const View& v, const T* dy, const T* x, const uint32_t* mas
                      const acc_t<T>* mean, const acc_t<T>* var, acc_t<T>* sum_dy,
                      acc_t<T>* sum_dyxhat, double eps) {
   using A = acc_t<T>;
-  const int64_t L = v.elements_per_group(), C = v.channels;
+  const int64_t R = v.rows, C = v.channels, L = v.elements_per_group();
   std::vector<double> s(C), q(C);
+  std::vector<A> gv(C), xv(C);
+  std::vector<int32_t> pass(C, -1);
   for (int64_t g = 0; g < v.groups; ++g) {
     std::fill(s.begin(), s.end(), 0.0);
     std::fill(q.begin(), q.end(), 0.0);
     const uint32_t* mg = mask ? mask + g * v.mask_words : nullptr;
-    for (int64_t e = 0; e < L; ++e) {
-      const int64_t i = g * L + e, c = e % C;
-      if (mg && !bit(mg, e)) continue;
-      const double d = to_float(dy[i]);
-      s[c] += d;
-      q[c] += d * (static_cast<A>(to_float(x[i])) - mean[g * C + c]);
+    const A* mu = mean + g * C;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t i0 = g * L + r * C;
+      cpu::widen(dy + i0, gv.data(), C);
+      cpu::widen(x + i0, xv.data(), C);
+      if (mg) cpu::unpack_bits(mg, r * C, C, pass.data());
+      // Masked-out elements take no part at all (a NaN dy or an inf x there adds nothing).
+      for (int64_t c = 0; c < C; ++c) {
+        const double d = static_cast<double>(cpu::keep_if(gv[c], pass[c] != 0));
+        s[c] += d;
+        q[c] += cpu::keep_if(d * static_cast<double>(xv[c] - mu[c]), pass[c] != 0);
+      }
     }
     for (int64_t c = 0; c < C; ++c) {
       sum_dy[g * C + c] = static_cast<A>(s[c]);
@@ -97,29 +121,40 @@ void backward_dx(const View& v, const T* dy, const T* x, const uint32_t* mask, c
                  const acc_t<T>* sum_dyxhat, const acc_t<T>* dmean, const acc_t<T>* dvar, T* dx, T* dres,
                  double eps, bool train, int64_t count) {
   using A = acc_t<T>;
-  const int64_t L = v.elements_per_group(), C = v.channels;
-  std::vector<Coef<A>> coef(C);
+  using R = typename cpu::Raw<T>::type;
+  const int64_t rows = v.rows, C = v.channels, L = v.elements_per_group();
+  std::vector<A> shift(C), ka(C), kb(C), kc(C), gv(C), xv(C);
+  std::vector<int32_t> pass(C, -1);
   for (int64_t g = 0; g < v.groups; ++g) {
     const int64_t p = g * C;
-    for (int64_t c = 0; c < C; ++c)
-      coef[c] = backward_coef<A>(scale[p + c], mean[p + c], var[p + c], A(eps), sum_dy[p + c],
-                                 sum_dyxhat[p + c], dmean[p + c], dvar[p + c], static_cast<A>(count), train);
+    for (int64_t c = 0; c < C; ++c) {
+      const Coef<A> k = backward_coef<A>(scale[p + c], mean[p + c], var[p + c], A(eps), sum_dy[p + c],
+                                         sum_dyxhat[p + c], dmean[p + c], dvar[p + c], static_cast<A>(count), train);
+      shift[c] = k.shift, ka[c] = k.a, kb[c] = k.b, kc[c] = k.c;
+    }
     const uint32_t* mg = mask ? mask + g * v.mask_words : nullptr;
-    for (int64_t e = 0; e < L; ++e) {
-      const int64_t i = g * L + e;
-      const Coef<A>& k = coef[e % C];
-      const bool pass = !mg || bit(mg, e);
-      const T g_t = pass ? dy[i] : from_float<T>(A(0));
-      const A gd = pass ? static_cast<A>(to_float(dy[i])) : A(0);
-      dx[i] = from_float<T>(k.a * gd + k.b * (static_cast<A>(to_float(x[i])) - k.shift) + k.c);
-      if (dres) dres[i] = g_t;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i0 = g * L + r * C;
+      cpu::widen(dy + i0, gv.data(), C);
+      cpu::widen(x + i0, xv.data(), C);
+      if (mg) cpu::unpack_bits(mg, r * C, C, pass.data());
+      for (int64_t c = 0; c < C; ++c)  // a masked NaN dy gives 0
+        xv[c] = ka[c] * cpu::keep_if(gv[c], pass[c] != 0) + kb[c] * (xv[c] - shift[c]) + kc[c];
+      cpu::narrow(xv.data(), dx + i0, C);
+      if (dres) {  // dy' itself: dy's bits where the mask passes, else +0
+        const R* d = reinterpret_cast<const R*>(dy + i0);
+        R* o = reinterpret_cast<R*>(dres + i0);
+        for (int64_t c = 0; c < C; ++c) o[c] = d[c] & cpu::ones_if<R>(pass[c] != 0);
+      }
     }
   }
 }
 
+// f(T{}) for the storage type T of d, in cpu::run_isa's clone for the CPU (the loops above
+// are auto-vectorized: in the AVX2+FMA clone they get 32-byte vectors).
 template <class F>
 void dispatch(Dtype d, F&& f) {
-  cpu::dispatch_float(d, f);
+  cpu::run_isa([&](auto) { return cpu::dispatch_float(d, f); });
 }
 
 }  // namespace

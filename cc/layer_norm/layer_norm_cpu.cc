@@ -4,16 +4,17 @@
 #include <cmath>
 #include <vector>
 
-#include "common/cpu_float.h"
+#include "common/cpu_vec.h"
 
 namespace jaxops::layer_norm {
 namespace {
 
 using cpu::acc_t;
-using cpu::from_float;
-using cpu::to_float;
 
-template <class T>
+// Rows go through accumulation-type scratch a pass at a time, so the loops vectorize
+// (cpu_vec.h); the row statistics are sums in double (cpu::dsum), as before.
+
+template <int W, class T>
 void forward_rows(const ForwardArgs& a) {
   using A = acc_t<T>;
   const Shape& s = a.shape;
@@ -23,41 +24,40 @@ void forward_rows(const ForwardArgs& a) {
   T* y = static_cast<T*>(a.y);
   A* mean_out = static_cast<A*>(a.mean);
   A* rstd_out = static_cast<A*>(a.rstd);
-  const double n = static_cast<double>(s.cols);
+  const int64_t n = s.cols;
+  std::vector<A> v(n), sc(n), bi(bias ? n : 0);
+  int64_t group = -1;
   for (int64_t r = 0; r < s.rows; ++r) {
-    const T* xr = x + r * s.cols;
-    const int64_t g = r / s.rows_per_group;
-    const T* sc = scale + g * s.cols;
-    const T* bi = bias ? bias + g * s.cols : nullptr;
-    T* yr = y + r * s.cols;
+    if (const int64_t g = r / s.rows_per_group; g != group) {
+      group = g;
+      cpu::widen(scale + g * n, sc.data(), n);
+      if (bias) cpu::widen(bias + g * n, bi.data(), n);
+    }
+    cpu::widen(x + r * n, v.data(), n);
     // Two passes (mean, then squared deviations) keep the variance exact for data far from 0.
     // Values are centred as (x - shift) - mean_rel with shift = x[0], as the CUDA kernels do:
     // x - shift is exact, while a float32 mean of ~1e4 would itself round to 1e-3. The sums run
     // in double (the kernels' are trees): a float32 running sum of 1025 squares was off by 9e-6
     // relative, 40 ulps of rstd (found by tests/test_fuzz.py).
-    const A shift = s.rms ? A(0) : static_cast<A>(to_float(xr[0]));
+    const A shift = s.rms ? A(0) : v[0];
     A mean_rel = 0;
     if (!s.rms) {
-      double sum = 0;
-      for (int64_t c = 0; c < s.cols; ++c) sum += static_cast<A>(to_float(xr[c])) - shift;
-      mean_rel = static_cast<A>(sum / n);
+      for (int64_t c = 0; c < n; ++c) v[c] -= shift;
+      mean_rel = static_cast<A>(cpu::dsum<W>(v.data(), n) / static_cast<double>(n));
+      for (int64_t c = 0; c < n; ++c) v[c] -= mean_rel;
     }
-    auto centred = [&](int64_t c) { return (static_cast<A>(to_float(xr[c])) - shift) - mean_rel; };
-    double sq = 0;
-    for (int64_t c = 0; c < s.cols; ++c) sq += static_cast<double>(centred(c)) * centred(c);
-    const A rstd = A(1) / std::sqrt(static_cast<A>(sq / n) + static_cast<A>(s.epsilon));
-    for (int64_t c = 0; c < s.cols; ++c) {
-      A v = centred(c) * rstd * static_cast<A>(to_float(sc[c]));
-      if (bi) v += static_cast<A>(to_float(bi[c]));
-      yr[c] = from_float<T>(v);
-    }
-    const A mean = shift + mean_rel;
-    if (mean_out) mean_out[r] = mean;
+    const double sq = cpu::dsum<W, true>(v.data(), n);
+    const A rstd = A(1) / std::sqrt(static_cast<A>(sq / static_cast<double>(n)) + static_cast<A>(s.epsilon));
+    for (int64_t c = 0; c < n; ++c) v[c] = v[c] * rstd * sc[c];
+    if (bias)
+      for (int64_t c = 0; c < n; ++c) v[c] += bi[c];
+    cpu::narrow(v.data(), y + r * n, n);
+    if (mean_out) mean_out[r] = shift + mean_rel;
     rstd_out[r] = rstd;
   }
 }
 
-template <class T>
+template <int W, class T>
 void backward_rows(const BackwardArgs& a) {
   using A = acc_t<T>;
   const Shape& s = a.shape;
@@ -67,40 +67,37 @@ void backward_rows(const BackwardArgs& a) {
   const A* rstd_in = static_cast<const A*>(a.rstd);
   const T* dy = static_cast<const T*>(a.dy);
   T* dx = static_cast<T*>(a.dx);
-  const double n = static_cast<double>(s.cols);
-  std::vector<double> dscale(s.cols), dbias(s.cols);  // double sums, as in forward_rows
+  const int64_t n = s.cols;
+  std::vector<double> dscale(n), dbias(n);  // double sums, as in forward_rows
+  std::vector<A> sc(n), xhat(n), d(n), gv(n), t(n);
   for (int64_t g = 0; g < s.groups; ++g) {
     std::fill(dscale.begin(), dscale.end(), 0.0);
     std::fill(dbias.begin(), dbias.end(), 0.0);
-    const T* sc = scale + g * s.cols;
+    cpu::widen(scale + g * n, sc.data(), n);
     for (int64_t r = g * s.rows_per_group; r < (g + 1) * s.rows_per_group; ++r) {
-      const T* xr = x + r * s.cols;
-      const T* dyr = dy + r * s.cols;
-      T* dxr = dx + r * s.cols;
       const A mean = mean_in ? mean_in[r] : A(0), rstd = rstd_in[r];
+      cpu::widen(x + r * n, xhat.data(), n);
+      cpu::widen(dy + r * n, d.data(), n);
       // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * scale (no mean(g) for rms).
-      double sum_g = 0, sum_gx = 0;
-      for (int64_t c = 0; c < s.cols; ++c) {
-        const A xhat = (static_cast<A>(to_float(xr[c])) - mean) * rstd;
-        const A d = to_float(dyr[c]);
-        const A gv = d * static_cast<A>(to_float(sc[c]));
-        sum_g += gv;
-        sum_gx += gv * xhat;
-        dscale[c] += d * xhat;
-        dbias[c] += d;
+      for (int64_t c = 0; c < n; ++c) {
+        xhat[c] = (xhat[c] - mean) * rstd;
+        gv[c] = d[c] * sc[c];
+        t[c] = gv[c] * xhat[c];
       }
-      const A mg = s.rms ? A(0) : static_cast<A>(sum_g / n), mgx = static_cast<A>(sum_gx / n);
-      for (int64_t c = 0; c < s.cols; ++c) {
-        const A xhat = (static_cast<A>(to_float(xr[c])) - mean) * rstd;
-        const A gv = static_cast<A>(to_float(dyr[c])) * static_cast<A>(to_float(sc[c]));
-        dxr[c] = from_float<T>(rstd * (gv - mg - xhat * mgx));
+      const double sum_g = s.rms ? 0.0 : cpu::dsum<W>(gv.data(), n), sum_gx = cpu::dsum<W>(t.data(), n);
+      for (int64_t c = 0; c < n; ++c) {
+        dscale[c] += static_cast<double>(d[c] * xhat[c]);
+        dbias[c] += static_cast<double>(d[c]);
       }
+      const A mg = static_cast<A>(sum_g / static_cast<double>(n)), mgx = static_cast<A>(sum_gx / static_cast<double>(n));
+      for (int64_t c = 0; c < n; ++c) t[c] = rstd * (gv[c] - mg - xhat[c] * mgx);
+      cpu::narrow(t.data(), dx + r * n, n);
     }
-    T* ds = static_cast<T*>(a.dscale) + g * s.cols;
-    for (int64_t c = 0; c < s.cols; ++c) ds[c] = from_float<T>(static_cast<A>(dscale[c]));
+    for (int64_t c = 0; c < n; ++c) t[c] = static_cast<A>(dscale[c]);
+    cpu::narrow(t.data(), static_cast<T*>(a.dscale) + g * n, n);
     if (a.dbias) {
-      T* db = static_cast<T*>(a.dbias) + g * s.cols;
-      for (int64_t c = 0; c < s.cols; ++c) db[c] = from_float<T>(static_cast<A>(dbias[c]));
+      for (int64_t c = 0; c < n; ++c) t[c] = static_cast<A>(dbias[c]);
+      cpu::narrow(t.data(), static_cast<T*>(a.dbias) + g * n, n);
     }
   }
 }
@@ -108,11 +105,15 @@ void backward_rows(const BackwardArgs& a) {
 }  // namespace
 
 bool forward_cpu(const ForwardArgs& a) {
-  return cpu::dispatch_float(a.dtype, [&](auto tag) { forward_rows<decltype(tag)>(a); });
+  return cpu::run_isa([&](auto w) {
+    return cpu::dispatch_float(a.dtype, [&](auto tag) { forward_rows<w.value, decltype(tag)>(a); });
+  });
 }
 
 bool backward_cpu(const BackwardArgs& a) {
-  return cpu::dispatch_float(a.dtype, [&](auto tag) { backward_rows<decltype(tag)>(a); });
+  return cpu::run_isa([&](auto w) {
+    return cpu::dispatch_float(a.dtype, [&](auto tag) { backward_rows<w.value, decltype(tag)>(a); });
+  });
 }
 
 }  // namespace jaxops::layer_norm

@@ -1,8 +1,12 @@
 #include "reduce/reduce_cpu.h"
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
-#include "common/cpu_float.h"
+#include "common/cpu_vec.h"
 
 namespace jaxops::reduce {
 namespace {
@@ -13,7 +17,67 @@ using cpu::to_float;
 
 constexpr int64_t kLeaf = 64;  // elements (rows) summed sequentially before pairing
 
-// Pairwise over x[lo, hi) of one contiguous row.
+// Folds a sequence of states pairwise, as a balanced tree over the order they come in (a binary
+// counter: two states of one level merge into the next), without recursion or a second buffer.
+template <class Op>
+class PairwiseFold {
+ public:
+  void push(typename Op::State s) {
+    int level = 0;
+    while (n_ > 0 && level_[n_ - 1] == level) {
+      s = Op::merge(stack_[--n_], s);
+      ++level;
+    }
+    stack_[n_] = s;
+    level_[n_++] = level;
+  }
+  typename Op::State result() const {
+    if (n_ == 0) return Op::identity();
+    typename Op::State s = stack_[n_ - 1];
+    for (int i = n_ - 2; i >= 0; --i) s = Op::merge(stack_[i], s);
+    return s;
+  }
+
+ private:
+  typename Op::State stack_[64];
+  int level_[64];
+  int n_ = 0;
+};
+
+// Rows that row_blocks takes (the arg ops keep row_pairwise: index order decides ties).
+template <class Op>
+constexpr bool kBlockRows = !Op::kIndex;
+template <class Op, class A = typename Op::State>
+constexpr bool kExtremumOp = std::is_same_v<Op, ExtremumOp<A, true>> || std::is_same_v<Op, ExtremumOp<A, false>>;
+
+// Sum, mean, max, min and logsumexp of one contiguous row, a kSumBlock-element block at a time
+// through float scratch (cpu_vec.h), the blocks folded pairwise. logsumexp takes two passes over
+// a block (its max, then the sum of exp(x - max)) instead of the online form's exp per element.
+template <int W, class Op, class T>
+typename Op::State row_blocks(const T* x, int64_t n) {
+  using A = acc_t<T>;
+  A buf[cpu::kSumBlock];
+  PairwiseFold<Op> fold;
+  for (int64_t b = 0; b < n; b += cpu::kSumBlock) {
+    const int64_t m = std::min(cpu::kSumBlock, n - b);
+    cpu::widen(x + b, buf, m);
+    if constexpr (std::is_same_v<Op, LogSumExpOp<A>>) {
+      const A mx = cpu::lane_extremum<W, true>(buf, m);
+      if (!std::isfinite(mx)) {  // NaN, +inf or all -inf: the answer itself (see LogSumExpOp)
+        fold.push({mx, A(0)});
+        continue;
+      }
+      fold.push({mx, cpu::block_exp_sum<W>(buf, mx, m)});
+    } else if constexpr (kExtremumOp<Op>) {
+      fold.push(cpu::lane_extremum<W, Op::kIsMax>(buf, m));
+    } else {
+      fold.push(cpu::block_sum<W>(buf, m));
+    }
+  }
+  return fold.result();
+}
+
+// Pairwise over x[lo, hi) of one contiguous row (the arg ops: index order matters to ties).
 template <class Op, class T>
 typename Op::State row_pairwise(const T* x, int64_t lo, int64_t hi) {
   using A = acc_t<T>;
@@ -26,20 +90,57 @@ typename Op::State row_pairwise(const T* x, int64_t lo, int64_t hi) {
   return Op::merge(row_pairwise<Op>(x, lo, mid), row_pairwise<Op>(x, mid, hi));
 }
 
-// Pairwise over rows [lo, hi) of a (reduced, inner) slab into acc[inner] (acc holds identities).
+// Rows [lo, hi) of a (reduced, inner) slab, widened a row at a time into `row` (inner elements).
+// Leaves add rows in order into acc[inner], pairs of halves merge (acc holds identities).
 template <class Op, class T>
-void columns_pairwise(const T* x, int64_t lo, int64_t hi, int64_t inner, typename Op::State* acc) {
-  using A = acc_t<T>;
+void columns_pairwise(const T* x, int64_t lo, int64_t hi, int64_t inner, typename Op::State* acc, acc_t<T>* row) {
   if (hi - lo <= kLeaf) {
-    for (int64_t r = lo; r < hi; ++r)
-      for (int64_t c = 0; c < inner; ++c) Op::add(acc[c], static_cast<A>(to_float(x[r * inner + c])), r);
+    for (int64_t r = lo; r < hi; ++r) {
+      cpu::widen(x + r * inner, row, inner);
+      if constexpr (kExtremumOp<Op>) cpu::extremum_into<Op::kIsMax>(acc, row, inner);
+      else for (int64_t c = 0; c < inner; ++c) Op::add(acc[c], row[c], r);
+    }
     return;
   }
   const int64_t mid = lo + (hi - lo) / 2;
-  columns_pairwise<Op>(x, lo, mid, inner, acc);
+  columns_pairwise<Op>(x, lo, mid, inner, acc, row);
   std::vector<typename Op::State> right(inner, Op::identity());
-  columns_pairwise<Op>(x, mid, hi, inner, right.data());
+  columns_pairwise<Op>(x, mid, hi, inner, right.data(), row);
   for (int64_t c = 0; c < inner; ++c) acc[c] = Op::merge(acc[c], right[c]);
+}
+
+// Column logsumexp: the columns' max (pairwise, as max_cols), then the sum of exp(x - max) a
+// row at a time (exp_shifted over the row), leaves of kLeaf rows folded pairwise like
+// PairwiseFold (no recursion: all of it inlines into the AVX2 clone), then max + log(sum).
+template <int W, class T>
+void columns_logsumexp(const T* x, int64_t reduced, int64_t inner, acc_t<T>* out) {
+  using A = acc_t<T>;
+  std::vector<A> mx(inner, -std::numeric_limits<A>::infinity()), row(inner);
+  columns_pairwise<ExtremumOp<A, true>>(x, 0, reduced, inner, mx.data(), row.data());
+  std::vector<std::vector<A>> stack;
+  std::vector<int> levels;
+  for (int64_t r0 = 0; r0 < reduced; r0 += kLeaf) {
+    std::vector<A> leaf(inner, A(0));
+    for (int64_t r = r0; r < std::min(reduced, r0 + kLeaf); ++r) {
+      cpu::widen(x + r * inner, row.data(), inner);
+      for (int64_t c = 0; c < inner; ++c) row[c] -= mx[c];
+      cpu::exp_shifted<W>(row.data(), A(0), row.data(), inner);
+      for (int64_t c = 0; c < inner; ++c) leaf[c] += row[c];
+    }
+    int level = 0;
+    for (; !levels.empty() && levels.back() == level; ++level) {
+      for (int64_t c = 0; c < inner; ++c) leaf[c] = stack.back()[c] + leaf[c];
+      stack.pop_back();
+      levels.pop_back();
+    }
+    stack.push_back(std::move(leaf));
+    levels.push_back(level);
+  }
+  std::vector<A> sum(inner, A(0));
+  if (!stack.empty()) sum = stack.back();
+  for (int i = static_cast<int>(stack.size()) - 2; i >= 0; --i)
+    for (int64_t c = 0; c < inner; ++c) sum[c] = stack[i][c] + sum[c];
+  for (int64_t c = 0; c < inner; ++c) out[c] = std::isfinite(mx[c]) ? mx[c] + std::log(sum[c]) : mx[c];
 }
 
 template <class Op, class T>
@@ -48,32 +149,42 @@ void store(void* y, int64_t at, const typename Op::State& s, int64_t count) {
   else static_cast<T*>(y)[at] = from_float<T>(Op::finish(s, count));
 }
 
-template <class Op, class T>
+template <int W, class Op, class T>
 void run(const T* x, void* y, int64_t outer, int64_t reduced, int64_t inner) {
+  using A = acc_t<T>;
   std::vector<typename Op::State> acc;
+  std::vector<A> row, lse;
   for (int64_t o = 0; o < outer; ++o) {
     const T* xo = x + o * reduced * inner;
     if (inner == 1) {
-      store<Op, T>(y, o, row_pairwise<Op>(xo, 0, reduced), reduced);
+      if constexpr (kBlockRows<Op>) store<Op, T>(y, o, row_blocks<W, Op>(xo, reduced), reduced);
+      else store<Op, T>(y, o, row_pairwise<Op>(xo, 0, reduced), reduced);
+      continue;
+    }
+    if constexpr (std::is_same_v<Op, LogSumExpOp<A>>) {
+      lse.resize(inner);
+      columns_logsumexp<W>(xo, reduced, inner, lse.data());
+      for (int64_t c = 0; c < inner; ++c) static_cast<T*>(y)[o * inner + c] = from_float<T>(lse[c]);
       continue;
     }
     acc.assign(inner, Op::identity());
-    columns_pairwise<Op>(xo, 0, reduced, inner, acc.data());
+    row.resize(inner);
+    columns_pairwise<Op>(xo, 0, reduced, inner, acc.data(), row.data());
     for (int64_t c = 0; c < inner; ++c) store<Op, T>(y, o * inner + c, acc[c], reduced);
   }
 }
 
-template <class T>
+template <int W, class T>
 void run_kind(OpKind kind, const T* x, void* y, int64_t outer, int64_t reduced, int64_t inner) {
   using A = acc_t<T>;
   switch (kind) {
-    case OpKind::kSum: return run<SumOp<A, false>>(x, y, outer, reduced, inner);
-    case OpKind::kMean: return run<SumOp<A, true>>(x, y, outer, reduced, inner);
-    case OpKind::kMax: return run<ExtremumOp<A, true>>(x, y, outer, reduced, inner);
-    case OpKind::kMin: return run<ExtremumOp<A, false>>(x, y, outer, reduced, inner);
-    case OpKind::kLogSumExp: return run<LogSumExpOp<A>>(x, y, outer, reduced, inner);
-    case OpKind::kArgMax: return run<ArgOp<A, true>>(x, y, outer, reduced, inner);
-    case OpKind::kArgMin: return run<ArgOp<A, false>>(x, y, outer, reduced, inner);
+    case OpKind::kSum: return run<W, SumOp<A, false>>(x, y, outer, reduced, inner);
+    case OpKind::kMean: return run<W, SumOp<A, true>>(x, y, outer, reduced, inner);
+    case OpKind::kMax: return run<W, ExtremumOp<A, true>>(x, y, outer, reduced, inner);
+    case OpKind::kMin: return run<W, ExtremumOp<A, false>>(x, y, outer, reduced, inner);
+    case OpKind::kLogSumExp: return run<W, LogSumExpOp<A>>(x, y, outer, reduced, inner);
+    case OpKind::kArgMax: return run<W, ArgOp<A, true>>(x, y, outer, reduced, inner);
+    case OpKind::kArgMin: return run<W, ArgOp<A, false>>(x, y, outer, reduced, inner);
   }
 }
 
@@ -81,9 +192,11 @@ void run_kind(OpKind kind, const T* x, void* y, int64_t outer, int64_t reduced, 
 
 bool reduce_cpu(OpKind kind, Dtype dtype, const void* x, void* y, int64_t outer, int64_t reduced,
                 int64_t inner) {
-  return cpu::dispatch_float(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    run_kind(kind, static_cast<const T*>(x), y, outer, reduced, inner);
+  return cpu::run_isa([&](auto w) {
+    return cpu::dispatch_float(dtype, [&](auto tag) {
+      using T = decltype(tag);
+      run_kind<w.value>(kind, static_cast<const T*>(x), y, outer, reduced, inner);
+    });
   });
 }
 

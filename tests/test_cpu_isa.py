@@ -1,0 +1,183 @@
+"""The CPU twins' two code paths: the baseline (SSE2 on x86-64, 4-float vectors) and the AVX2+FMA
+clone (8-float vectors) that cc/common/cpu_vec.h's run_isa picks where the CPU has it.
+JAXOPS_CPU_ISA=baseline, read on every call, forces the baseline, so one machine checks both
+against the pure-JAX references, at lengths that leave every partial vector, lane block, mask word
+offset and pairwise fold its tail."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxops
+from helpers import ON_GPU, assert_close, normal
+from test_batch_norm import ref_bn
+
+pytestmark = pytest.mark.skipif(ON_GPU, reason="the CPU twins' code paths (the GPU runs CUDA kernels)")
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def both_paths(fn, *args):
+    """fn(*args) on the AVX2 path (where the CPU has it) and on the forced baseline path."""
+    out = jax.block_until_ready(fn(*args))
+    os.environ["JAXOPS_CPU_ISA"] = "baseline"
+    try:
+        base = jax.block_until_ready(fn(*args))
+    finally:
+        del os.environ["JAXOPS_CPU_ISA"]
+    return out, base
+
+
+def in_f32(ref):
+    """ref computed in float32 (bf16/f16 arithmetic in XLA is the less accurate side), cast back."""
+    def run(*args):
+        args32 = [a.astype(jnp.float32) if a is not None and jnp.issubdtype(a.dtype, jnp.floating) else a
+                  for a in args]
+        out = ref(*args32)
+        return jax.tree_util.tree_map(lambda o, a=args[0]: o.astype(a.dtype), out)
+    return run
+
+
+def check(fn, ref, *args, dtype):
+    out, base = both_paths(fn, *args)
+    expected = in_f32(ref)(*args)
+    for got in (out, base):
+        for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
+            assert_close(g, e, dtype=dtype)
+
+
+def with_specials(x):
+    """One row with NaN, one with +-inf (when there are rows enough), the rest random."""
+    x = x.astype(jnp.float32)
+    if x.shape[0] > 2 and x.shape[1] > 2:
+        x = x.at[1, 1].set(jnp.nan).at[2, 0].set(jnp.inf).at[2, 2].set(-jnp.inf)
+    return x
+
+
+@pytest.mark.parametrize("cols", [1, 3, 17, 33, 1025, 4099])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax(cols, dtype, log):
+    op, ref = (jaxops.log_softmax, jax.nn.log_softmax) if log else (jaxops.softmax, jax.nn.softmax)
+    k1, k2, k3 = jax.random.split(jax.random.key(cols), 3)
+    x = with_specials(normal(k1, (5, cols), dtype, scale=3.0)).astype(dtype)
+    where = jax.random.bernoulli(k2, 0.7, (5, cols))
+    dy = normal(k3, (5, cols), dtype)
+    check(jax.jit(op), jax.jit(ref), x, dtype=dtype)
+    check(jax.jit(lambda x, w: op(x, where=w)), jax.jit(lambda x, w: ref(x, where=w)), x, where, dtype=dtype)
+    finite = normal(k1, (5, cols), dtype)
+    vjp = lambda f: jax.jit(lambda x, g: jax.vjp(f, x)[1](g)[0])
+    check(vjp(op), vjp(ref), finite, dy, dtype=dtype)
+
+
+def np_reduce(name):
+    """numpy's reductions in float32 as the reference: XLA:CPU's jnp.max / jnp.min (jax 0.10.2)
+    drop a NaN in rows of 5000 elements (they propagate it in rows of 50), numpy never does."""
+    def run(x, axis):
+        a = np.asarray(x.astype(jnp.float32))
+        if name == "logsumexp":
+            return np.asarray(jax.nn.logsumexp(jnp.asarray(a), axis=axis))
+        return getattr(np, name)(a, axis=axis)
+    return run
+
+
+@pytest.mark.parametrize("shape,axis", [((3, 1), -1), ((4, 17), -1), ((3, 5000), -1), ((2, 70001), -1),
+                                        ((70001,), None), ((37, 5), 0), ((130, 33), 0)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_reductions(shape, axis, dtype):
+    x = normal(jax.random.key(shape[0]), shape, dtype, scale=4.0)
+    inputs = [x]
+    if len(shape) == 2:  # a NaN and a -inf in the first / last row and column
+        inputs.append(x.astype(jnp.float32).at[0, 0].set(jnp.nan).at[-1, -1].set(-jnp.inf).astype(dtype))
+    for name in ["sum", "mean", "max", "min", "logsumexp"]:
+        op = getattr(jaxops, name)
+        for data in inputs:
+            out, base = both_paths(jax.jit(lambda v: op(v, axis=axis)), data)
+            expected = jnp.asarray(np_reduce(name)(data, axis)).astype(dtype)
+            assert_close(out, expected, dtype=dtype)
+            assert_close(base, expected, dtype=dtype)
+
+
+def ref_layer_norm(x, scale, bias, eps, rms):
+    xf = x.astype(jnp.float32)
+    mean = 0.0 if rms else xf.mean(-1, keepdims=True)
+    var = ((xf - mean) ** 2).mean(-1, keepdims=True)
+    y = (xf - mean) / jnp.sqrt(var + eps) * scale.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+@pytest.mark.parametrize("cols", [1, 7, 33, 1025])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rms", [False, True])
+def test_layer_norm(cols, dtype, rms):
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(cols + 7), 4)
+    x = normal(k1, (6, cols), dtype, scale=2.0)
+    scale, bias, dy = normal(k2, (cols,), dtype), normal(k3, (cols,), dtype), normal(k4, (6, cols), dtype)
+    if rms:
+        op = lambda x, s, b: jaxops.rms_norm(x, s, epsilon=1e-6)
+        ref = lambda x, s, b: ref_layer_norm(x, s, None, 1e-6, True)
+    else:
+        op = lambda x, s, b: jaxops.layer_norm(x, s, b, epsilon=1e-5)
+        ref = lambda x, s, b: ref_layer_norm(x, s, b, 1e-5, False)
+    check(jax.jit(op), jax.jit(ref), x, scale, bias, dtype=dtype)
+    vjp = lambda f: jax.jit(lambda x, s, b, g: jax.vjp(f, x, s, b)[1](g)[:2])
+    out, base = both_paths(vjp(op), x, scale, bias, dy)
+    expected = in_f32(vjp(ref))(x, scale, bias, dy)
+    for got in (out, base):
+        # (one column: dx cancels to ~1e-4 of its terms, so the float32 reference is off there too)
+        for g, e in zip(got, expected):
+            assert_close(g, e, dtype=dtype, rtol=5e-2 if dtype != jnp.float32 else 1e-4, atol=5e-2 if dtype != jnp.float32 else 1e-5)
+
+
+@pytest.mark.parametrize("channels", [1, 3, 17, 64])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("residual", [False, True])
+def test_batch_norm_relu(channels, dtype, residual):
+    k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(channels), 5)
+    x = normal(k1, (3, 5, 7, channels), dtype)
+    res = normal(k5, x.shape, dtype) if residual else None
+    scale = 1.0 + 0.1 * jax.random.normal(k2, (channels,))
+    bias = 0.1 * jax.random.normal(k3, (channels,))
+    dy = normal(k4, x.shape, dtype)
+    op = lambda x, s, b, r: jaxops.batch_norm(x, s, b, residual=r, activation="relu")[0]
+    ref = lambda x, s, b, r: ref_bn(x, s, b, residual=r, activation="relu")[0]
+    check(jax.jit(op), jax.jit(ref), x, scale, bias, res, dtype=dtype)
+    vjp = lambda f: jax.jit(lambda x, s, b, r, g: jax.vjp(lambda x, s, b: f(x, s, b, r), x, s, b)[1](g))
+    out, base = both_paths(vjp(op), x, scale, bias, res, dy)
+    expected = in_f32(vjp(ref))(x, scale, bias, res, dy)
+    for got in (out, base):
+        for g, e in zip(got, expected):
+            assert_close(g, e, dtype=g.dtype, rtol=5e-2 if dtype != jnp.float32 else 1e-4, atol=5e-2)
+
+
+@pytest.mark.parametrize("n", [1, 31, 33, 1000, 4099])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_relu(n, dtype):
+    x = normal(jax.random.key(n), (n,), dtype).at[0].set(jnp.nan if n > 1 else 0.0)
+    dy = normal(jax.random.key(n + 1), (n,), dtype)
+    check(jax.jit(jaxops.relu), jax.jit(jax.nn.relu), x, dtype=dtype)
+    vjp = lambda f: jax.jit(lambda x, g: jax.vjp(f, x)[1](g)[0])
+    check(vjp(jaxops.relu), vjp(jax.nn.relu), x, dy, dtype=dtype)
+
+
+def _cpu_has_avx2_fma():
+    try:
+        flags = open("/proc/cpuinfo").read().split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+@pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="one code path only: the CPU has no AVX2+FMA")
+def test_baseline_is_forced_and_differs_only_in_rounding():
+    """JAXOPS_CPU_ISA=baseline reaches the other path: float32 softmax's exp rounds differently
+    with and without fused multiply-adds, in the last bits only."""
+    x = normal(jax.random.key(3), (64, 1000), jnp.float32, scale=5.0)
+    out, base = both_paths(jax.jit(jaxops.softmax), x)
+    out, base = np.asarray(out), np.asarray(base)
+    assert not np.array_equal(out, base)
+    np.testing.assert_allclose(out, base, rtol=2e-6, atol=1e-9)
