@@ -47,9 +47,8 @@ void backward_rows(const T* y, const T* dy, const bool* mask, T* dx, int64_t row
     cpu::widen(y + r * cols, yv.data(), cols);
     cpu::widen(dy + r * cols, g.data(), cols);
     // Masked entries take no part in the sum (as in jax.nn) and get no gradient, even in NaN rows.
-    const bool* keep = mr;
     const auto masked_sum = [&](A* terms) {
-      if (keep) cpu::fill_unkept(keep, terms, A(0), cols);
+      if (mr) cpu::fill_unkept(mr, terms, A(0), cols);
       return static_cast<A>(cpu::lane_sum<W>(terms, cols));
     };
     if (log) {
