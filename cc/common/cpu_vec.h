@@ -132,11 +132,11 @@ struct Vec {
   }
   // a where m (all ones), else b.
   static F select(I m, F a, F b) { return floats((m & bits(a)) | (~m & bits(b))); }
-  // W / 2 doubles from as many consecutive A values.
+  // W / 2 doubles from as many consecutive A values, centred first in A: (p - shift) - mean.
   template <class A>
-  static D widen_d(const A* p) {
+  static D widen_d(const A* p, A shift, A mean) {
     D d;
-    for (int k = 0; k < W / 2; ++k) d[k] = static_cast<double>(p[k]);
+    for (int k = 0; k < W / 2; ++k) d[k] = static_cast<double>((p[k] - shift) - mean);
     return d;
   }
 
@@ -406,12 +406,13 @@ inline A block_exp_sum(const A* in, A sub, int64_t m) {
   return lane[0];
 }
 
-// Sum of v[0, n) (kSquares: of v[i]^2, squared in double) in double: 8 double lanes in order,
-// folded as a tree (the normalizations' statistics, where float32 lanes were not accurate
+// Sum over [0, n) of t = (v[i] - shift) - mean, computed in A (for layer_norm: x - x[0] is exact,
+// see layer_norm_cpu.cc), or with kSquares of t^2 squared in double; in double, 8 double lanes in
+// order folded as a tree (the normalizations' statistics, where float32 lanes were not accurate
 // enough: tests/test_fuzz.py).
 constexpr int kDoubleLanes = 8;
 template <int W, bool kSquares = false, class A>
-inline double dsum(const A* v, int64_t n) {
+inline double dsum(const A* v, int64_t n, A shift = A(0), A mean = A(0)) {
   using V = Vec<W>;
   constexpr int kPer = W / 2;  // doubles a vector
   typename V::D acc[kDoubleLanes / kPer];
@@ -419,14 +420,14 @@ inline double dsum(const A* v, int64_t n) {
   int64_t i = 0;
   for (; i + kDoubleLanes <= n; i += kDoubleLanes)
     for (int k = 0; k < kDoubleLanes / kPer; ++k) {
-      const typename V::D d = V::widen_d(v + i + k * kPer);
+      const typename V::D d = V::widen_d(v + i + k * kPer, shift, mean);
       acc[k] += kSquares ? d * d : d;
     }
   double lane[kDoubleLanes];
   for (int k = 0; k < kDoubleLanes / kPer; ++k)
     for (int j = 0; j < kPer; ++j) lane[k * kPer + j] = acc[k][j];
   for (int j = 0; i + j < n; ++j) {
-    const double d = static_cast<double>(v[i + j]);
+    const double d = static_cast<double>((v[i + j] - shift) - mean);
     lane[j] += kSquares ? d * d : d;
   }
   for (int w = kDoubleLanes / 2; w > 0; w /= 2)

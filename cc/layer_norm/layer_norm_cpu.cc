@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "common/cpu_vec.h"
@@ -25,7 +26,7 @@ void forward_rows(const ForwardArgs& a) {
   A* mean_out = static_cast<A*>(a.mean);
   A* rstd_out = static_cast<A*>(a.rstd);
   const int64_t n = s.cols;
-  std::vector<A> v(n), sc(n), bi(bias ? n : 0);
+  std::vector<A> v(std::is_same_v<T, A> ? 0 : n), sc(n), bi(bias ? n : 0);
   int64_t group = -1;
   for (int64_t r = 0; r < s.rows; ++r) {
     if (const int64_t g = r / s.rows_per_group; g != group) {
@@ -33,25 +34,25 @@ void forward_rows(const ForwardArgs& a) {
       cpu::widen(scale + g * n, sc.data(), n);
       if (bias) cpu::widen(bias + g * n, bi.data(), n);
     }
-    cpu::widen(x + r * n, v.data(), n);
+    // float / double rows are read and written in place; 16-bit ones through the scratch row.
+    const A* xv = v.data();
+    if constexpr (std::is_same_v<T, A>) xv = x + r * n;
+    else cpu::widen(x + r * n, v.data(), n);
     // Two passes (mean, then squared deviations) keep the variance exact for data far from 0.
     // Values are centred as (x - shift) - mean_rel with shift = x[0], as the CUDA kernels do:
     // x - shift is exact, while a float32 mean of ~1e4 would itself round to 1e-3. The sums run
     // in double (the kernels' are trees): a float32 running sum of 1025 squares was off by 9e-6
     // relative, 40 ulps of rstd (found by tests/test_fuzz.py).
-    const A shift = s.rms ? A(0) : v[0];
-    A mean_rel = 0;
-    if (!s.rms) {
-      for (int64_t c = 0; c < n; ++c) v[c] -= shift;
-      mean_rel = static_cast<A>(cpu::dsum<W>(v.data(), n) / static_cast<double>(n));
-      for (int64_t c = 0; c < n; ++c) v[c] -= mean_rel;
-    }
-    const double sq = cpu::dsum<W, true>(v.data(), n);
+    const A shift = s.rms ? A(0) : xv[0];
+    const A mean_rel = s.rms ? A(0) : static_cast<A>(cpu::dsum<W>(xv, n, shift) / static_cast<double>(n));
+    const double sq = cpu::dsum<W, true>(xv, n, shift, mean_rel);
     const A rstd = A(1) / std::sqrt(static_cast<A>(sq / static_cast<double>(n)) + static_cast<A>(s.epsilon));
-    for (int64_t c = 0; c < n; ++c) v[c] = v[c] * rstd * sc[c];
+    A* out = v.data();
+    if constexpr (std::is_same_v<T, A>) out = y + r * n;
+    for (int64_t c = 0; c < n; ++c) out[c] = ((xv[c] - shift) - mean_rel) * rstd * sc[c];
     if (bias)
-      for (int64_t c = 0; c < n; ++c) v[c] += bi[c];
-    cpu::narrow(v.data(), y + r * n, n);
+      for (int64_t c = 0; c < n; ++c) out[c] += bi[c];
+    if constexpr (!std::is_same_v<T, A>) cpu::narrow(v.data(), y + r * n, n);
     if (mean_out) mean_out[r] = shift + mean_rel;
     rstd_out[r] = rstd;
   }

@@ -1,7 +1,9 @@
 #include "softmax/softmax_cpu.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common/cpu_vec.h"
@@ -9,31 +11,41 @@
 namespace jaxops::softmax {
 namespace {
 
-// Rows go through accumulation-type scratch (float; double for float64), one vectorizable pass
-// at a time (cpu_vec.h); masked entries enter as -inf (forward) or 0 (backward), like the CUDA
-// kernels, and their outputs are forced afterwards. Row sums: 16 float lanes, blocks in double.
+// 16-bit rows go through float scratch, float / double rows are read and written in place, one
+// vectorizable pass at a time (cpu_vec.h); masked entries enter as -inf (forward) or 0
+// (backward), like the CUDA kernels, and their outputs are forced afterwards. Row sums: 16 float
+// lanes, blocks in double.
 
 template <int W, class T>
 void forward_rows(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols, bool log) {
   using A = cpu::acc_t<T>;
+  constexpr bool kInPlace = std::is_same_v<T, A>;  // float / double rows need no scratch
   const A neg_inf = -std::numeric_limits<A>::infinity();
-  std::vector<A> v(cols), e(cols);
+  std::vector<A> v(kInPlace && !mask ? 0 : cols), e(kInPlace ? 0 : cols);
   for (int64_t r = 0; r < rows; ++r) {
     const bool* mr = mask ? mask + r * cols : nullptr;
-    cpu::widen(x + r * cols, v.data(), cols);
+    const A* xv = v.data();
+    if constexpr (kInPlace) {
+      if (mr) std::copy(x + r * cols, x + (r + 1) * cols, v.data());
+      else xv = x + r * cols;
+    } else {
+      cpu::widen(x + r * cols, v.data(), cols);
+    }
     if (mr) cpu::fill_unkept(mr, v.data(), neg_inf, cols);
-    const A m = cpu::lane_extremum<W, true>(v.data(), cols);
+    const A m = cpu::lane_extremum<W, true>(xv, cols);
+    A* out = e.data();
+    if constexpr (kInPlace) out = y + r * cols;
     // exp(-inf - m) = 0 for masked entries when m is finite; the row is NaN anyway otherwise.
-    cpu::exp_shifted<W>(v.data(), m, e.data(), cols);
-    const A s = static_cast<A>(cpu::lane_sum<W>(e.data(), cols));
+    cpu::exp_shifted<W>(xv, m, out, cols);
+    const A s = static_cast<A>(cpu::lane_sum<W>(out, cols));
     if (log) {
       const A log_s = std::log(s);
-      for (int64_t c = 0; c < cols; ++c) e[c] = (v[c] - m) - log_s;
+      for (int64_t c = 0; c < cols; ++c) out[c] = (xv[c] - m) - log_s;
     } else {
-      for (int64_t c = 0; c < cols; ++c) e[c] = e[c] / s;
+      for (int64_t c = 0; c < cols; ++c) out[c] = out[c] / s;
     }
-    if (mr) cpu::fill_unkept(mr, e.data(), log ? neg_inf : A(0), cols);
-    cpu::narrow(e.data(), y + r * cols, cols);
+    if (mr) cpu::fill_unkept(mr, out, log ? neg_inf : A(0), cols);
+    if constexpr (!kInPlace) cpu::narrow(e.data(), y + r * cols, cols);
   }
 }
 
@@ -41,28 +53,36 @@ template <int W, class T>
 void backward_rows(const T* y, const T* dy, const bool* mask, T* dx, int64_t rows, int64_t cols,
                    bool log) {
   using A = cpu::acc_t<T>;
-  std::vector<A> yv(cols), g(cols), t(cols);
+  constexpr bool kInPlace = std::is_same_v<T, A>;
+  std::vector<A> yv(kInPlace ? 0 : cols), g(kInPlace ? 0 : cols), t(kInPlace ? 0 : cols);
   for (int64_t r = 0; r < rows; ++r) {
     const bool* mr = mask ? mask + r * cols : nullptr;
-    cpu::widen(y + r * cols, yv.data(), cols);
-    cpu::widen(dy + r * cols, g.data(), cols);
+    const A* ys = yv.data();
+    const A* gs = g.data();
+    A* out = t.data();
+    if constexpr (kInPlace) {
+      ys = y + r * cols, gs = dy + r * cols, out = dx + r * cols;
+    } else {
+      cpu::widen(y + r * cols, yv.data(), cols);
+      cpu::widen(dy + r * cols, g.data(), cols);
+    }
     // Masked entries take no part in the sum (as in jax.nn) and get no gradient, even in NaN rows.
     const auto masked_sum = [&](A* terms) {
       if (mr) cpu::fill_unkept(mr, terms, A(0), cols);
       return static_cast<A>(cpu::lane_sum<W>(terms, cols));
     };
     if (log) {
-      for (int64_t c = 0; c < cols; ++c) t[c] = g[c];
-      const A s = masked_sum(t.data());
-      cpu::exp_shifted<W>(yv.data(), A(0), t.data(), cols);
-      for (int64_t c = 0; c < cols; ++c) t[c] = g[c] - t[c] * s;
+      std::copy(gs, gs + cols, out);
+      const A s = masked_sum(out);
+      cpu::exp_shifted<W>(ys, A(0), out, cols);
+      for (int64_t c = 0; c < cols; ++c) out[c] = gs[c] - out[c] * s;
     } else {
-      for (int64_t c = 0; c < cols; ++c) t[c] = g[c] * yv[c];
-      const A s = masked_sum(t.data());
-      for (int64_t c = 0; c < cols; ++c) t[c] = yv[c] * (g[c] - s);
+      for (int64_t c = 0; c < cols; ++c) out[c] = gs[c] * ys[c];
+      const A s = masked_sum(out);
+      for (int64_t c = 0; c < cols; ++c) out[c] = ys[c] * (gs[c] - s);
     }
-    if (mr) cpu::fill_unkept(mr, t.data(), A(0), cols);
-    cpu::narrow(t.data(), dx + r * cols, cols);
+    if (mr) cpu::fill_unkept(mr, out, A(0), cols);
+    if constexpr (!kInPlace) cpu::narrow(t.data(), dx + r * cols, cols);
   }
 }
 
