@@ -5,6 +5,8 @@
 #include <vector>
 
 #include "batch_norm/bn_math.h"
+#include "common/cpu_bits.h"
+#include "common/cpu_rows.h"
 #include "common/cpu_vec.h"
 
 namespace jaxops::batch_norm {
@@ -15,7 +17,7 @@ using cpu::from_float;
 using cpu::to_float;
 
 // Rows of C channels go through accumulation-type scratch, a pass over the row at a time, so
-// the loops vectorize (cpu_vec.h); the relu mask is packed / unpacked 32 bits at a time at the
+// the loops vectorize (cpu_rows.h, cpu_bits.h); the relu mask is packed / unpacked 32 bits at a time at the
 // row's bit offset. (The old loops took the channel as e % C, a 64-bit division an element.)
 
 template <class T>

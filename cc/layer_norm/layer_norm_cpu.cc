@@ -5,6 +5,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/cpu_rows.h"
+#include "common/cpu_sums.h"
 #include "common/cpu_vec.h"
 
 namespace jaxops::layer_norm {
@@ -13,7 +15,7 @@ namespace {
 using cpu::acc_t;
 
 // Rows go through accumulation-type scratch a pass at a time, so the loops vectorize
-// (cpu_vec.h); the row statistics are sums in double (cpu::dsum), as before.
+// (cpu_rows.h); the row statistics are sums in double (cpu::dsum, cpu_sums.h), as before.
 
 template <int W, class T>
 void forward_rows(const ForwardArgs& a) {

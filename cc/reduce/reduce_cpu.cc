@@ -6,6 +6,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/cpu_rows.h"
+#include "common/cpu_sums.h"
 #include "common/cpu_vec.h"
 
 namespace jaxops::reduce {
@@ -51,7 +53,7 @@ template <class Op, class A = typename Op::State>
 constexpr bool kExtremumOp = std::is_same_v<Op, ExtremumOp<A, true>> || std::is_same_v<Op, ExtremumOp<A, false>>;
 
 // Sum, mean, max, min and logsumexp of one contiguous row, a kSumBlock-element block at a time
-// through float scratch (cpu_vec.h), the blocks folded pairwise. logsumexp takes two passes over
+// through float scratch (cpu_rows.h, cpu_sums.h), the blocks folded pairwise. logsumexp takes two passes over
 // a block (its max, then the sum of exp(x - max)) instead of the online form's exp per element.
 template <int W, class Op, class T>
 typename Op::State row_blocks(const T* x, int64_t n) {

@@ -1,5 +1,6 @@
 #include "relu/relu_cpu.h"
 
+#include "common/cpu_bits.h"
 #include "common/cpu_vec.h"
 
 namespace jaxops::relu {
@@ -7,7 +8,7 @@ namespace {
 
 // Relu of n <= 32 elements on their raw bits; returns their mask word. Positive (x > 0): sign
 // clear, not zero, not NaN; kept: positive or NaN (NaN propagates like jax.nn.relu); everything
-// else becomes +0 (all bits 0). Integer masks, not branches: the loop vectorizes (cpu_vec.h).
+// else becomes +0 (all bits 0). Integer masks, not branches: the loop vectorizes (cpu_bits.h).
 template <class T, int N>
 uint32_t forward_word(const typename cpu::Raw<T>::type* __restrict x, typename cpu::Raw<T>::type* __restrict y,
                       int n) {

@@ -6,15 +6,18 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/cpu_bits.h"
+#include "common/cpu_rows.h"
+#include "common/cpu_sums.h"
 #include "common/cpu_vec.h"
 
 namespace jaxops::softmax {
 namespace {
 
 // 16-bit rows go through float scratch, float / double rows are read and written in place, one
-// vectorizable pass at a time (cpu_vec.h); masked entries enter as -inf (forward) or 0
-// (backward), like the CUDA kernels, and their outputs are forced afterwards. Row sums: 16 float
-// lanes, blocks in double.
+// vectorizable pass at a time (cpu_rows.h, cpu_sums.h); masked entries enter as -inf (forward)
+// or 0 (backward), like the CUDA kernels, and their outputs are forced afterwards. Row sums: 16
+// float lanes, blocks in double.
 
 template <int W, class T>
 void forward_rows(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols, bool log) {

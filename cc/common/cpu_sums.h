@@ -1,0 +1,174 @@
+// Sums, extrema and exp over rows for the CPU twins, in explicit vectors of W floats (cpu_vec.h):
+// 16 independent lanes instead of one dependent chain, in the same order for W = 4 and 8.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "common/cpu_bits.h"
+#include "common/cpu_vec.h"
+
+namespace jaxops::cpu {
+
+// Sum of m <= kSumBlock elements: 16 lanes of A, each summing at most 64 of them in order (the
+// pairwise leaf the reductions used before), folded as a tree. The same order for every W.
+constexpr int64_t kSumBlock = 1024;
+constexpr int kLanes = 16;
+template <int W, class A>
+inline A block_sum(const A* v, int64_t m) {
+  using V = Vec<W>;
+  A lane[kLanes] = {};
+  int64_t i = 0;
+  if constexpr (std::is_same_v<A, float>) {
+    typename V::F acc[kLanes / W];
+    for (auto& a : acc) a = V::splat(0.0f);
+    for (; i + kLanes <= m; i += kLanes)
+      for (int k = 0; k < kLanes / W; ++k) acc[k] += V::load(v + i + k * W);
+    for (int k = 0; k < kLanes / W; ++k) V::store(lane + k * W, acc[k]);
+  } else {
+    for (; i + kLanes <= m; i += kLanes)
+      for (int j = 0; j < kLanes; ++j) lane[j] += v[i + j];
+  }
+  for (int j = 0; i + j < m; ++j) lane[j] += v[i + j];
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
+  return lane[0];
+}
+
+// Sum of v[0, n): block_sum of each 1024 elements, the blocks added in double. Keeps float32
+// rows accurate to a few ulps at any length.
+template <int W, class A>
+inline double lane_sum(const A* v, int64_t n) {
+  double total = 0;
+  for (int64_t b = 0; b < n; b += kSumBlock)
+    total += static_cast<double>(block_sum<W>(v + b, n - b < kSumBlock ? n - b : kSumBlock));
+  return total;
+}
+
+// max (kMax) or min of v[0, n) propagating NaN like jnp.max; the identity for n = 0.
+template <int W, bool kMax, class A>
+inline A lane_extremum(const A* v, int64_t n) {
+  using V = Vec<W>;
+  const A id = kMax ? -std::numeric_limits<A>::infinity() : std::numeric_limits<A>::infinity();
+  A lane[kLanes];
+  int64_t i = 0;
+  if constexpr (std::is_same_v<A, float>) {
+    // Plain max / min lanes and, apart, whether a NaN was seen: one compare and select a vector.
+    typename V::F acc[kLanes / W];
+    for (auto& a : acc) a = V::splat(id);
+    typename V::I nan = typename V::I{};
+    for (; i + kLanes <= n; i += kLanes) {
+      for (int k = 0; k < kLanes / W; ++k) {
+        const typename V::F x = V::load(v + i + k * W);
+        acc[k] = V::select(kMax ? x > acc[k] : x < acc[k], x, acc[k]);
+        nan |= x != x;
+      }
+    }
+    for (int k = 0; k < kLanes / W; ++k) V::store(lane + k * W, acc[k]);
+    for (int j = 0; j < W; ++j)
+      if (nan[j]) lane[0] = std::numeric_limits<A>::quiet_NaN();
+  } else {
+    for (int j = 0; j < kLanes; ++j) lane[j] = id;
+  }
+  const auto pick = [](A run, A x) {  // x when it beats run or is NaN; a NaN run stays
+    const bool take = (kMax ? x > run : x < run) | (x != x);
+    return take ? x : run;
+  };
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lane[j] = pick(lane[j], v[i + j]);
+  for (int j = 0; i + j < n; ++j) lane[j] = pick(lane[j], v[i + j]);
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) lane[j] = pick(lane[j], lane[j + w]);
+  return lane[0];
+}
+
+// out[i] = exp(in[i] - sub): Vec::exp for float (a partial last vector through a padded copy, so
+// every element takes the same instructions), libm for double.
+template <int W, class A>
+inline void exp_shifted(const A* in, A sub, A* out, int64_t n) {
+  if constexpr (std::is_same_v<A, float>) {
+    using V = Vec<W>;
+    int64_t i = 0;
+    for (; i + W <= n; i += W) V::store(out + i, V::exp(V::load(in + i) - sub));
+    if (i < n) {
+      float pad[W] = {};
+      for (int64_t j = i; j < n; ++j) pad[j - i] = in[j];
+      V::store(pad, V::exp(V::load(pad) - sub));
+      for (int64_t j = i; j < n; ++j) out[j] = pad[j - i];
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = std::exp(in[i] - sub);
+  }
+}
+
+// Sum of exp(in[i] - sub) over m <= kSumBlock elements in block_sum's lanes and order, without
+// storing the exps (float: Vec::exp; double: libm).
+template <int W, class A>
+inline A block_exp_sum(const A* in, A sub, int64_t m) {
+  A lane[kLanes] = {};
+  int64_t i = 0;
+  if constexpr (std::is_same_v<A, float>) {
+    using V = Vec<W>;
+    typename V::F acc[kLanes / W];
+    for (auto& a : acc) a = V::splat(0.0f);
+    for (; i + kLanes <= m; i += kLanes)
+      for (int k = 0; k < kLanes / W; ++k) acc[k] += V::exp(V::load(in + i + k * W) - sub);
+    for (int k = 0; k < kLanes / W; ++k) V::store(lane + k * W, acc[k]);
+    float tail[kLanes] = {};
+    const int rest = static_cast<int>(m - i);
+    for (int j = 0; j < rest; ++j) tail[j] = in[i + j];
+    for (int k = 0; k < kLanes / W; ++k) {
+      const typename V::F e = V::exp(V::load(tail + k * W) - sub);
+      float ev[W];
+      V::store(ev, e);
+      for (int j = 0; j < W; ++j)
+        if (k * W + j < rest) lane[k * W + j] += ev[j];
+    }
+  } else {
+    for (; i + kLanes <= m; i += kLanes)
+      for (int j = 0; j < kLanes; ++j) lane[j] += std::exp(in[i + j] - sub);
+    for (int j = 0; i + j < m; ++j) lane[j] += std::exp(in[i + j] - sub);
+  }
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
+  return lane[0];
+}
+
+// Sum over [0, n) of t = (v[i] - shift) - mean, computed in A (for layer_norm: x - x[0] is exact,
+// see layer_norm_cpu.cc), or with kSquares of t^2 squared in double; in double, 8 double lanes in
+// order folded as a tree (the normalizations' statistics, where float32 lanes were not accurate
+// enough: tests/test_fuzz.py).
+constexpr int kDoubleLanes = 8;
+template <int W, bool kSquares = false, class A>
+inline double dsum(const A* v, int64_t n, A shift = A(0), A mean = A(0)) {
+  using V = Vec<W>;
+  constexpr int kPer = W / 2;  // doubles a vector
+  typename V::D acc[kDoubleLanes / kPer];
+  for (auto& a : acc) a = typename V::D{};
+  int64_t i = 0;
+  for (; i + kDoubleLanes <= n; i += kDoubleLanes)
+    for (int k = 0; k < kDoubleLanes / kPer; ++k) {
+      const typename V::D d = V::widen_d(v + i + k * kPer, shift, mean);
+      acc[k] += kSquares ? d * d : d;
+    }
+  double lane[kDoubleLanes];
+  for (int k = 0; k < kDoubleLanes / kPer; ++k)
+    for (int j = 0; j < kPer; ++j) lane[k * kPer + j] = acc[k][j];
+  for (int j = 0; i + j < n; ++j) {
+    const double d = static_cast<double>((v[i + j] - shift) - mean);
+    lane[j] += kSquares ? d * d : d;
+  }
+  for (int w = kDoubleLanes / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
+  return lane[0];
+}
+
+// acc[i] = max (kMax) or min of acc[i] and x[i], propagating NaN like jnp.max.
+template <bool kMax, class A>
+inline void extremum_into(A* acc, const A* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    acc[i] = select_bits((kMax ? x[i] > acc[i] : x[i] < acc[i]) | (x[i] != x[i]), x[i], acc[i]);
+}
+
+}  // namespace jaxops::cpu
