@@ -58,6 +58,16 @@ struct Vec {
     std::memcpy(&v, &i, sizeof v);
     return v;
   }
+  // Truncation to int32 (the values here are integers already).
+  static I to_int(F v) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 9)
+    return __builtin_convertvector(v, I);
+#else  // GCC 8 has no __builtin_convertvector
+    I r;
+    for (int k = 0; k < W; ++k) r[k] = static_cast<int32_t>(v[k]);
+    return r;
+#endif
+  }
   // a where m (all ones), else b.
   static F select(I m, F a, F b) { return floats((m & bits(a)) | (~m & bits(b))); }
   // W / 2 doubles from as many consecutive A values, centred first in A: (p - shift) - mean.
@@ -87,7 +97,7 @@ struct Vec {
     p = p * r * r + r + 1.0f;
     // n in [-126, 127]: a normal exponent field. A NaN n (NaN d: p is NaN already) is zeroed
     // first, as converting NaN to an integer is undefined.
-    const I ni = __builtin_convertvector(floats(bits(n) & (n == n)), I);
+    const I ni = to_int(floats(bits(n) & (n == n)));
     const F y = p * floats((ni + 127) << 23);
     // 0 for -inf and whatever would round to a subnormal (a NaN d fails the test: kept).
     return floats(bits(y) & ~(d <= splat(-87.3f)));
