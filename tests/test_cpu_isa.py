@@ -13,6 +13,7 @@ import pytest
 import jaxops
 from helpers import ON_GPU, assert_close, normal
 from test_batch_norm import ref_bn
+from test_layer_norm import ln_ref, rms_ref
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="the CPU twins' code paths (the GPU runs CUDA kernels)")
 
@@ -100,16 +101,6 @@ def test_reductions(shape, axis, dtype):
             assert_close(base, expected, dtype=dtype)
 
 
-def ref_layer_norm(x, scale, bias, eps, rms):
-    xf = x.astype(jnp.float32)
-    mean = 0.0 if rms else xf.mean(-1, keepdims=True)
-    var = ((xf - mean) ** 2).mean(-1, keepdims=True)
-    y = (xf - mean) / jnp.sqrt(var + eps) * scale.astype(jnp.float32)
-    if bias is not None:
-        y = y + bias.astype(jnp.float32)
-    return y.astype(x.dtype)
-
-
 @pytest.mark.parametrize("cols", [1, 7, 33, 1025])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rms", [False, True])
@@ -119,10 +110,10 @@ def test_layer_norm(cols, dtype, rms):
     scale, bias, dy = normal(k2, (cols,), dtype), normal(k3, (cols,), dtype), normal(k4, (6, cols), dtype)
     if rms:
         op = lambda x, s, b: jaxops.rms_norm(x, s, epsilon=1e-6)
-        ref = lambda x, s, b: ref_layer_norm(x, s, None, 1e-6, True)
+        ref = lambda x, s, b: rms_ref(x, s, 1e-6)
     else:
         op = lambda x, s, b: jaxops.layer_norm(x, s, b, epsilon=1e-5)
-        ref = lambda x, s, b: ref_layer_norm(x, s, b, 1e-5, False)
+        ref = lambda x, s, b: ln_ref(x, s, b, 1e-5)
     check(jax.jit(op), jax.jit(ref), x, scale, bias, dtype=dtype)
     vjp = lambda f: jax.jit(lambda x, s, b, g: jax.vjp(f, x, s, b)[1](g)[:2])
     out, base = both_paths(vjp(op), x, scale, bias, dy)

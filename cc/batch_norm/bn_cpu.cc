@@ -13,8 +13,6 @@ namespace jaxops::batch_norm {
 namespace {
 
 using cpu::acc_t;
-using cpu::from_float;
-using cpu::to_float;
 
 // Rows of C channels go through accumulation-type scratch, a pass over the row at a time, so
 // the loops vectorize (cpu_rows.h, cpu_bits.h); the relu mask is packed / unpacked 32 bits at a time at the

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common/cpu_rows.h"
@@ -19,29 +20,34 @@ using cpu::to_float;
 
 constexpr int64_t kLeaf = 64;  // elements (rows) summed sequentially before pairing
 
-// Folds a sequence of states pairwise, as a balanced tree over the order they come in (a binary
-// counter: two states of one level merge into the next), without recursion or a second buffer.
-template <class Op>
+// Folds a sequence of values pairwise, as a balanced tree over the order they come in (a binary
+// counter: two values of one level merge into the next), without recursion or a second buffer.
+// merge(left, right) folds left into right: right = left . right. Serves the row blocks' states
+// and the column logsumexp's partial-sum rows.
+template <class S, class Merge>
 class PairwiseFold {
  public:
-  void push(typename Op::State s) {
+  explicit PairwiseFold(Merge merge) : merge_(merge) {}
+  void push(S s) {
     int level = 0;
     while (n_ > 0 && level_[n_ - 1] == level) {
-      s = Op::merge(stack_[--n_], s);
+      merge_(stack_[--n_], s);
       ++level;
     }
-    stack_[n_] = s;
+    stack_[n_] = std::move(s);
     level_[n_++] = level;
   }
-  typename Op::State result() const {
-    if (n_ == 0) return Op::identity();
-    typename Op::State s = stack_[n_ - 1];
-    for (int i = n_ - 2; i >= 0; --i) s = Op::merge(stack_[i], s);
+  // The fold of everything pushed; `empty` when nothing was.
+  S result(S empty) {
+    if (n_ == 0) return empty;
+    S s = std::move(stack_[n_ - 1]);
+    for (int i = n_ - 2; i >= 0; --i) merge_(stack_[i], s);
     return s;
   }
 
  private:
-  typename Op::State stack_[64];
+  Merge merge_;
+  S stack_[64];
   int level_[64];
   int n_ = 0;
 };
@@ -59,7 +65,9 @@ template <int W, class Op, class T>
 typename Op::State row_blocks(const T* x, int64_t n) {
   using A = acc_t<T>;
   A buf[cpu::kSumBlock];
-  PairwiseFold<Op> fold;
+  using S = typename Op::State;
+  const auto merge = [](const S& left, S& right) { right = Op::merge(left, right); };
+  PairwiseFold<S, decltype(merge)> fold(merge);
   for (int64_t b = 0; b < n; b += cpu::kSumBlock) {
     const int64_t m = std::min(cpu::kSumBlock, n - b);
     cpu::widen(x + b, buf, m);
@@ -76,7 +84,7 @@ typename Op::State row_blocks(const T* x, int64_t n) {
       fold.push(cpu::block_sum<W>(buf, m));
     }
   }
-  return fold.result();
+  return fold.result(Op::identity());
 }
 
 // Pairwise over x[lo, hi) of one contiguous row (the arg ops: index order matters to ties).
@@ -112,15 +120,17 @@ void columns_pairwise(const T* x, int64_t lo, int64_t hi, int64_t inner, typenam
 }
 
 // Column logsumexp: the columns' max (pairwise, as max_cols), then the sum of exp(x - max) a
-// row at a time (exp_shifted over the row), leaves of kLeaf rows folded pairwise like
-// PairwiseFold (no recursion: all of it inlines into the AVX2 clone), then max + log(sum).
+// row at a time (exp_shifted over the row), leaves of kLeaf rows folded by PairwiseFold (no
+// recursion: all of it inlines into the AVX2 clone), then max + log(sum).
 template <int W, class T>
 void columns_logsumexp(const T* x, int64_t reduced, int64_t inner, acc_t<T>* out) {
   using A = acc_t<T>;
   std::vector<A> mx(inner, -std::numeric_limits<A>::infinity()), row(inner);
   columns_pairwise<ExtremumOp<A, true>>(x, 0, reduced, inner, mx.data(), row.data());
-  std::vector<std::vector<A>> stack;
-  std::vector<int> levels;
+  const auto add = [inner](const std::vector<A>& left, std::vector<A>& right) {
+    for (int64_t c = 0; c < inner; ++c) right[c] = left[c] + right[c];
+  };
+  PairwiseFold<std::vector<A>, decltype(add)> fold(add);
   for (int64_t r0 = 0; r0 < reduced; r0 += kLeaf) {
     std::vector<A> leaf(inner, A(0));
     for (int64_t r = r0; r < std::min(reduced, r0 + kLeaf); ++r) {
@@ -129,19 +139,9 @@ void columns_logsumexp(const T* x, int64_t reduced, int64_t inner, acc_t<T>* out
       cpu::exp_shifted<W>(row.data(), A(0), row.data(), inner);
       for (int64_t c = 0; c < inner; ++c) leaf[c] += row[c];
     }
-    int level = 0;
-    for (; !levels.empty() && levels.back() == level; ++level) {
-      for (int64_t c = 0; c < inner; ++c) leaf[c] = stack.back()[c] + leaf[c];
-      stack.pop_back();
-      levels.pop_back();
-    }
-    stack.push_back(std::move(leaf));
-    levels.push_back(level);
+    fold.push(std::move(leaf));
   }
-  std::vector<A> sum(inner, A(0));
-  if (!stack.empty()) sum = stack.back();
-  for (int i = static_cast<int>(stack.size()) - 2; i >= 0; --i)
-    for (int64_t c = 0; c < inner; ++c) sum[c] = stack[i][c] + sum[c];
+  const std::vector<A> sum = fold.result(std::vector<A>(inner, A(0)));
   for (int64_t c = 0; c < inner; ++c) out[c] = std::isfinite(mx[c]) ? mx[c] + std::log(sum[c]) : mx[c];
 }
 
