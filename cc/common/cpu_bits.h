@@ -30,12 +30,6 @@ template <> struct Raw<f16> {
   static constexpr int16_t kInf = 0x7c00, kMag = 0x7fff;
 };
 
-// All ones where `c`, else 0: the vectorizable form of a select's condition.
-template <class I>
-inline I ones_if(bool c) {
-  return static_cast<I>(-static_cast<I>(c));
-}
-
 // a where `take`, else b (bits), for the vectorizer.
 template <class A>
 inline A select_bits(bool take, A a, A b) {

@@ -15,6 +15,27 @@ namespace jaxops::cpu {
 // pairwise leaf the reductions used before), folded as a tree. The same order for every W.
 constexpr int64_t kSumBlock = 1024;
 constexpr int kLanes = 16;
+
+// lane[0] = merge of lane[0, N) as a tree: lane[j] with lane[j + N/2], then N/4, ... (the order
+// every W gives the same bits in).
+template <int N, class A, class Merge>
+inline A tree_fold(A* lane, Merge merge) {
+  for (int w = N / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) lane[j] = merge(lane[j], lane[j + w]);
+  return lane[0];
+}
+
+template <int N, class A>
+inline A tree_sum(A* lane) {
+  return tree_fold<N>(lane, [](A a, A b) { return a + b; });
+}
+
+// Whether x replaces run in a max (kMax) or min that propagates NaN like jnp.max: x beats run or
+// is NaN (a NaN run is then never replaced).
+template <bool kMax, class A>
+inline bool beats(A x, A run) {
+  return (kMax ? x > run : x < run) | (x != x);
+}
 template <int W, class A>
 inline A block_sum(const A* v, int64_t m) {
   using V = Vec<W>;
@@ -31,9 +52,7 @@ inline A block_sum(const A* v, int64_t m) {
       for (int j = 0; j < kLanes; ++j) lane[j] += v[i + j];
   }
   for (int j = 0; i + j < m; ++j) lane[j] += v[i + j];
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
-  return lane[0];
+  return tree_sum<kLanes>(lane);
 }
 
 // Sum of v[0, n): block_sum of each 1024 elements, the blocks added in double. Keeps float32
@@ -71,16 +90,11 @@ inline A lane_extremum(const A* v, int64_t n) {
   } else {
     for (int j = 0; j < kLanes; ++j) lane[j] = id;
   }
-  const auto pick = [](A run, A x) {  // x when it beats run or is NaN; a NaN run stays
-    const bool take = (kMax ? x > run : x < run) | (x != x);
-    return take ? x : run;
-  };
+  const auto pick = [](A run, A x) { return beats<kMax>(x, run) ? x : run; };
   for (; i + kLanes <= n; i += kLanes)
     for (int j = 0; j < kLanes; ++j) lane[j] = pick(lane[j], v[i + j]);
   for (int j = 0; i + j < n; ++j) lane[j] = pick(lane[j], v[i + j]);
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int j = 0; j < w; ++j) lane[j] = pick(lane[j], lane[j + w]);
-  return lane[0];
+  return tree_fold<kLanes>(lane, pick);
 }
 
 // out[i] = exp(in[i] - sub): Vec::exp for float (a partial last vector through a padded copy, so
@@ -130,9 +144,7 @@ inline A block_exp_sum(const A* in, A sub, int64_t m) {
       for (int j = 0; j < kLanes; ++j) lane[j] += std::exp(in[i + j] - sub);
     for (int j = 0; i + j < m; ++j) lane[j] += std::exp(in[i + j] - sub);
   }
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
-  return lane[0];
+  return tree_sum<kLanes>(lane);
 }
 
 // Sum over [0, n) of t = (v[i] - shift) - mean, computed in A (for layer_norm: x - x[0] is exact,
@@ -159,16 +171,14 @@ inline double dsum(const A* v, int64_t n, A shift = A(0), A mean = A(0)) {
     const double d = static_cast<double>((v[i + j] - shift) - mean);
     lane[j] += kSquares ? d * d : d;
   }
-  for (int w = kDoubleLanes / 2; w > 0; w /= 2)
-    for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
-  return lane[0];
+  return tree_sum<kDoubleLanes>(lane);
 }
 
 // acc[i] = max (kMax) or min of acc[i] and x[i], propagating NaN like jnp.max.
 template <bool kMax, class A>
 inline void extremum_into(A* acc, const A* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
-    acc[i] = select_bits((kMax ? x[i] > acc[i] : x[i] < acc[i]) | (x[i] != x[i]), x[i], acc[i]);
+    acc[i] = select_bits(beats<kMax>(x[i], acc[i]), x[i], acc[i]);
 }
 
 }  // namespace jaxops::cpu
