@@ -101,6 +101,28 @@ def test_reductions(shape, axis, dtype):
             assert_close(base, expected, dtype=dtype)
 
 
+@pytest.mark.parametrize("cols", [1, 17, 1024, 1025, 5000, 70001])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows(cols, dtype):
+    # Rows: their extremum, then the first index holding it (reduce_cpu.cc's row_arg). Values
+    # rounded to a few integers, so every row has ties; a row with a NaN late and one early
+    # (the first NaN is the answer), a row of -inf then +inf, a row of -0 and +0 (equal: the
+    # first wins); past 1024 columns the extremum sits in a later block than its first tie
+    # might. numpy's argmax / argmin are the reference (first occurrence, NaN first).
+    x = jnp.round(normal(jax.random.key(cols), (6, cols), jnp.float32, scale=2.0))
+    if cols > 1:
+        x = x.at[1, cols - 1].set(jnp.nan).at[2, cols // 2].set(jnp.nan).at[2, cols - 1].set(jnp.nan)
+        x = x.at[3].set(-jnp.inf).at[3, cols - 1].set(jnp.inf)
+        x = x.at[4].set(0.0).at[4, : cols // 2].set(-0.0)
+        x = x.at[5, cols - 1].set(100.0)
+    x = x.astype(dtype)
+    a = np.asarray(x.astype(jnp.float32))
+    for op, ref in ((jaxops.argmax, np.argmax), (jaxops.argmin, np.argmin)):
+        out, base = both_paths(jax.jit(lambda v: op(v, axis=-1)), x)
+        np.testing.assert_array_equal(np.asarray(out), ref(a, axis=-1))
+        np.testing.assert_array_equal(np.asarray(base), ref(a, axis=-1))
+
+
 @pytest.mark.parametrize("cols", [1, 7, 33, 1025])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rms", [False, True])

@@ -3,6 +3,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -172,6 +173,30 @@ inline double dsum(const A* v, int64_t n, A shift = A(0), A mean = A(0)) {
     lane[j] += kSquares ? d * d : d;
   }
   return tree_sum<kDoubleLanes>(lane);
+}
+
+// The first i in [0, n) with v[i] == m, or, for a NaN m, the first NaN; n if none. Compares a
+// vector at a time and scans only the vector that holds the hit (argmax / argmin of rows: their
+// extremum first, then where it first occurs, which is jnp.argmax's lowest index among ties).
+template <int W, class A>
+inline int64_t first_index_of(const A* v, int64_t n, A m) {
+  const bool nan = m != m;
+  int64_t i = 0;
+  if constexpr (std::is_same_v<A, float>) {
+    using V = Vec<W>;
+    const typename V::F mv = V::splat(m);
+    for (; i + W <= n; i += W) {
+      const typename V::F x = V::load(v + i);
+      const typename V::I hit = nan ? (x != x) : (x == mv);
+      uint64_t words[W / 2], any = 0;
+      std::memcpy(words, &hit, sizeof hit);
+      for (int k = 0; k < W / 2; ++k) any |= words[k];
+      if (any != 0) break;
+    }
+  }
+  for (; i < n; ++i)
+    if (nan ? v[i] != v[i] : v[i] == m) return i;
+  return n;
 }
 
 // acc[i] = max (kMax) or min of acc[i] and x[i], propagating NaN like jnp.max.
