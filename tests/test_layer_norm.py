@@ -634,8 +634,8 @@ def test_narrow_team_forward_gpu(key, dtype, cols):
     # Rows of 1-3 packs (float32 12 columns, 16-bit 16 and 24): one pack a lane, two rows a team
     # (rows base + r * teams + team): 40013 rows leave a partial last iteration (16-bit 24 columns:
     # 32 teams of 4 lanes, the last idle, 64 rows an iteration, 13 left: teams 0-12 one row each).
-    # 16-bit 12 and 100 columns are not whole packs: scalar packs, forward_team at 12 and a
-    # full-warp team of 4 elements a lane at 100 (session 51). At 128 columns the grid (<= 132
+    # 16-bit 12 and 100 columns are not whole packs: one-element packs, forward_lean on 8 lanes of
+    # two at 12 and 16 lanes of 8 at 100 (session 53). At 128 columns the grid (<= 132
     # SMs x blocks per SM) is smaller than the iterations: the grid-stride loop runs.
     # The gradients use the forward's saved mean/rstd of every row.
     rows = 40013
@@ -674,13 +674,16 @@ def test_misaligned_rows_fall_back_to_scalar_packs(key):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("cols", [5, 31, 33, 63, 131, 255, 1001])
+@pytest.mark.parametrize("cols", [5, 21, 31, 33, 63, 97, 131, 255, 1001])
 def test_misaligned_rows_gpu(key, dtype, cols):
     # Rows that are not whole 16-byte packs (float32 odd widths; 16-bit widths not a multiple of
-    # 8) take the scalar-pack kernels: teams of one element a lane up to 32 columns (5: a team of
-    # 8 lanes, 3 past the row; 31), full-warp teams of 2-8 up to 256, one block a row past that
-    # (1001). 3001 rows leave partial iterations. Both gradients; per-example parameters under
-    # vmap, with dscale / dbias bit-identical over two runs.
+    # 8) take one-element packs. Up to 256 columns the lean team kernels (session 53; float32
+    # rms_norm's backward, one-column backwards and per-example parameters' forward keep the older
+    # teams). Forward: 5 columns 4 lanes of 2, 21 and 31 8 lanes of 4 (21: lanes 5-7 idle in the
+    # third round, all in the fourth), 33 and 63 16 lanes of 4, 97 16 lanes of 8, 131-256 a full
+    # warp of 8. Backward: one element a lane up to 32 columns, then a full warp of 2-8. One block
+    # a row past 256 (1001). 3001 rows leave partial iterations. Both gradients; per-example
+    # parameters under vmap, with dscale / dbias bit-identical over two runs.
     x, scale, bias = _check_forward(key, dtype, 3001, cols, 3.0)
     _check_both_grads(x, scale, bias, dtype)
     _check_grouped(key, dtype, 3, 101, cols)

@@ -11,6 +11,7 @@
 #include "layer_norm/layer_norm_pair_bwd.cuh"
 #include "layer_norm/layer_norm_split.cuh"
 #include "layer_norm/layer_norm_team_bwd.cuh"
+#include "layer_norm/layer_norm_warp_bwd.cuh"
 
 namespace jaxops::layer_norm {
 namespace {
@@ -248,14 +249,34 @@ cudaError_t launch_narrow_lean(const BackwardArgs& a, const cuda::DeviceInfo& in
   return launch_team_lean<T, kPack, 1, kWidth, sizeof(T) == 4 ? 6 : 0>(a, info, stream);
 }
 
+// Rows that are not whole 16-byte packs (single-element packs, <= 256 columns) take the lean
+// arithmetic too, except float32 rms_norm, where it was mixed (1048576x63 238.9 -> 236.1 us,
+// 1048576x31 153.6 -> 154.8, 4096x131 8.90 -> 8.14, but 262144x255 311 -> 349).
+// H200, session 53 run 1, us (old -> lean): bf16 layer_norm_bwd 508400x132 367 -> 221, 262144x255
+// 298 -> 153, 1048576x63 235 -> 173, 1048576x31 186 -> 148; bf16 rms_norm_bwd 508400x132 353 ->
+// 327, 1048576x63 206 -> 153, 1048576x31 152 -> 120; float32 layer_norm_bwd 262144x255 316 ->
+// 236, 1048576x63 249 -> 236.
+// Not one-column rows either: their dx is exactly 0 in backward_team's form (g - mean(g) with
+// mean(g) = g), while the lean form leaves the fused multiply-add's rounding residue times
+// rstd = 1 / sqrt(epsilon) (session 53 run B: test_one_column_dx_is_exactly_zero).
+template <class T, int kPack>
+bool scalar_lean(const BackwardArgs& a) {
+  if constexpr (kPack == 1 && sizeof(T) <= 4)
+    return a.shape.cols > 1 && !(std::is_same_v<T, float> && a.shape.rms);
+  else return false;
+}
+
 template <class T, int kPack>
 cudaError_t launch_narrow(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream,
                           int width) {
   return with_team_width(width, [&](auto w) {
-    if constexpr (sizeof(T) <= 4 && kPack * sizeof(T) == 16)
+    if constexpr (sizeof(T) <= 4 && kPack * sizeof(T) == 16) {
       return launch_narrow_lean<T, kPack, decltype(w)::value>(a, info, stream);
-    else  // narrower packs (unaligned rows, float64)
+    } else {  // narrower packs (unaligned rows, float64)
+      if constexpr (kPack == 1 && sizeof(T) <= 4)
+        if (scalar_lean<T, kPack>(a)) return launch_narrow_lean<T, kPack, decltype(w)::value>(a, info, stream);
       return launch_team<T, kPack, 1, decltype(w)::value>(a, info, stream);
+    }
   });
 }
 
@@ -264,7 +285,18 @@ template <class T, int kPack, int kPacks>
 cudaError_t launch_warp(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
   constexpr int kMinBlocks = warp_min_blocks<T>(kPack * kPacks);
   const size_t smem = warp_acc_smem<acc_t<T>, kPack, kPacks>(kTeamThreads, num_acc(a.shape.rms));
-  return launch_slotted<T>(backward_warp<T, kPack, kPacks, kMinBlocks>, a, info, kTeamThreads, smem, stream);
+  // 16-byte packs of float / 16-bit types: the lean arithmetic (layer_norm_warp_bwd.cuh). H200,
+  // session 53 run 1, us (backward_warp -> backward_warp_lean): bf16 layer_norm_bwd 131072x512
+  // 113.0 -> 109.5, 174762x384 135.7 -> 121.7, 254200x264 184.9 -> 158.2; bf16 rms_norm_bwd
+  // 109.6 -> 107.2, 129.2 -> 113.5, 174.9 -> 142.9; float32 level (217.0 -> 218.0, 216.7 ->
+  // 216.3; rms_norm 213.7 -> 209.9).
+  if constexpr (sizeof(T) <= 4 && kPack * sizeof(T) == 16) {
+    auto kernel = a.shape.rms ? backward_warp_lean<T, kPack, kPacks, kMinBlocks, true>
+                              : backward_warp_lean<T, kPack, kPacks, kMinBlocks, false>;
+    return launch_slotted<T>(kernel, a, info, kTeamThreads, smem, stream);
+  } else {  // float64, single-element packs
+    return launch_slotted<T>(backward_warp<T, kPack, kPacks, kMinBlocks>, a, info, kTeamThreads, smem, stream);
+  }
 }
 
 // Team (register accumulators) or warp (shared-memory accumulators) kernel for kPacks per lane.
@@ -279,6 +311,9 @@ cudaError_t launch_full_warp(const BackwardArgs& a, const cuda::DeviceInfo& info
   // 125.7 against backward_warp).
   if constexpr (std::is_same_v<T, float> && kPack == 4 && kPacks == 2) {
     if (a.shape.cols < 64 * kPack) return launch_team_lean<T, kPack, 2, 32, 4>(a, info, stream);
+  }
+  if constexpr (kPack == 1 && sizeof(T) <= 4) {
+    if (scalar_lean<T, kPack>(a)) return launch_team_lean<T, kPack, kPacks, 32, 0>(a, info, stream);
   }
   if constexpr (warp_acc_in_smem(kPack, kPacks)) return launch_warp<T, kPack, kPacks>(a, info, stream);
   else return launch_team<T, kPack, kPacks, 32>(a, info, stream);

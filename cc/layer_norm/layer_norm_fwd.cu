@@ -49,6 +49,27 @@ bool lean_forward(const ForwardArgs& a) {
 template <class T, int kPack>
 constexpr bool kLeanType = sizeof(T) <= 4 && kPack * sizeof(T) == 16;
 
+// Rows that are not whole 16-byte packs (single-element packs of float / 16-bit types, <= 256
+// columns, one parameter group) take the lean team kernels too: one 1 / cols a row, rsqrt, no
+// per-element division. H200, session 53 run 1, us (forward_team -> forward_lean): f32
+// layer_norm 262144x255 249 -> 156, 1048576x31 233 -> 158, 4096x131 4.31 -> 3.32; bf16 layer_norm
+// 508400x132 271 -> 181, 262144x255 155 -> 105; bf16 rms_norm 508400x132 256 -> 156.
+// The lean teams' cost a row is mostly fixed (loads of the parameters, shuffle trees, the
+// statistics' stores), so rows of few columns go faster on fewer lanes with more elements each:
+// more rows a warp. Session 53 runs A-B, us (1048576 rows unless said), before -> after:
+//  17-32 columns, 16 lanes of 2 -> 8 lanes of 4: layer_norm 31 f32 158 -> 100, bf16 158 -> 81; 21
+//    f32 158 -> 82; rms_norm 31 f32 158 -> 88, bf16 158 -> 80;
+//  33-64, 32 lanes of 2 (forward_team) -> 16 lanes of 4: layer_norm 63 f32 295 -> 188, bf16 263 ->
+//    160; 33 f32 297 -> 160; rms_norm 63 f32 255 -> 161, bf16 214 -> 158. (8 lanes of 8: 33
+//    columns faster again, 63 slower, f32 189 -> 200, bf16 160 -> 189: not taken);
+//  65-128, 32 lanes of 4 -> 16 lanes of 8: layer_norm 524288x97 f32 179 -> 154, bf16 159 -> 128;
+//    508400x127 f32 181 -> 169, bf16 154 -> 137; rms_norm 97 f32 161 -> 125, bf16 159 -> 81.
+template <class T, int kPack>
+bool scalar_lean(const ForwardArgs& a) {
+  if constexpr (kPack == 1 && sizeof(T) <= 4) return a.shape.groups == 1;
+  else return false;
+}
+
 template <class T, int kPack, int kPacks, int kWidth, int kRows, bool kLean>
 cudaError_t launch_team(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
   if constexpr (kLean)
@@ -101,6 +122,11 @@ cudaError_t launch_narrow(const ForwardArgs& a, const cuda::DeviceInfo& info, cu
                           int width) {
   if constexpr (kLeanType<T, kPack>) {
     if (lean_forward<T, kPack>(a)) return launch_narrow_lean<T, kPack>(a, info, stream, width);
+  } else if constexpr (kPack == 1 && sizeof(T) <= 4) {
+    if (scalar_lean<T, kPack>(a)) {  // 17-32 columns: 8 lanes of 4 (see scalar_lean)
+      if (width == 32) return launch_team<T, kPack, 4, 8, 1, true>(a, info, stream);
+      return launch_narrow_lean<T, kPack>(a, info, stream, width);
+    }
   }
   // forward_team (session 4): 16-bit two rows a team (108 vs 113 us with one), float and double
   // one (float two measured 5 % slower; double two spilled 40-60 bytes).
@@ -111,6 +137,17 @@ template <class T, int kPack, int kPacks>
 cudaError_t launch_wide_team(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
   if constexpr (kLeanType<T, kPack>) {
     if (lean_forward<T, kPack>(a)) return launch_team<T, kPack, kPacks, 32, 1, true>(a, info, stream);
+  } else if constexpr (kPack == 1 && sizeof(T) <= 4) {
+    if (scalar_lean<T, kPack>(a)) {
+      // 33-64 columns 16 lanes of 4, 65-128 16 lanes of 8 (see scalar_lean).
+      if constexpr (kPacks == 2) {
+        return launch_team<T, kPack, 4, 16, 1, true>(a, info, stream);
+      } else if constexpr (kPacks == 4) {
+        return launch_team<T, kPack, 8, 16, 1, true>(a, info, stream);
+      } else {
+        return launch_team<T, kPack, kPacks, 32, 1, true>(a, info, stream);
+      }
+    }
   }
   return launch_team<T, kPack, kPacks, 32, 1, false>(a, info, stream);
 }

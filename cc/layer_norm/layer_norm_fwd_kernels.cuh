@@ -13,6 +13,14 @@ __device__ __forceinline__ acc_t<T> row_shift(const Shape& s, const T* x, int64_
   return s.rms ? acc_t<T>(0) : to_acc(x[row * s.cols]);
 }
 
+// Where row's scale / bias start. Without per-example parameters (groups == 1, a uniform branch)
+// skip the 64-bit division (a 32-bit one, ~20 instructions, where both fit). It ran per pack: per
+// element for scalar packs (rows not whole 16-byte packs); the compiler cannot hoist a division
+// out of a guarded loop.
+__device__ __forceinline__ int64_t param_offset(const Shape& s, int64_t row) {
+  return s.groups == 1 ? 0 : row / s.rows_per_group * s.cols;
+}
+
 // forward_block's split of write_y: the scale (and bias) packs of a column position are loaded
 // first, y is computed and stored later (bias is left unset for rms_norm). (write_y itself is
 // kept as it was for the team kernels: routing them through these helpers made ptxas spill.)
@@ -24,7 +32,7 @@ struct ParamPacks {
 template <class T, int kPack>
 __device__ __forceinline__ ParamPacks<T, kPack> load_params(const ForwardArgs& a, int64_t row, int64_t col) {
   const Shape& s = a.shape;
-  const int64_t prow = (row / s.rows_per_group) * s.cols + col;
+  const int64_t prow = param_offset(s, row) + col;
   ParamPacks<T, kPack> pp;
   pp.s = load_pack<T, kPack>(static_cast<const T*>(a.scale) + prow);
   if (a.bias) pp.b = load_pack<T, kPack>(static_cast<const T*>(a.bias) + prow);
@@ -53,7 +61,7 @@ __device__ __forceinline__ void write_y(const ForwardArgs& a, const Pack<T, kPac
                                         int64_t col, acc_t<T> shift, acc_t<T> mean_rel, acc_t<T> rstd) {
   using A = acc_t<T>;
   const Shape& s = a.shape;
-  const int64_t prow = (row / s.rows_per_group) * s.cols + col;
+  const int64_t prow = param_offset(s, row) + col;
   const auto sp = load_pack<T, kPack>(static_cast<const T*>(a.scale) + prow);
   Pack<T, kPack> bp;
   if (a.bias) bp = load_pack<T, kPack>(static_cast<const T*>(a.bias) + prow);

@@ -22,7 +22,9 @@ namespace jaxops::layer_norm {
 // of a 32-bit word is `w << 16`, the high one `w & 0xffff0000` (one instruction each).
 template <class T, int kPack>
 __device__ __forceinline__ void unpack_floats(const Pack<T, kPack>& p, float (&out)[kPack]) {
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (sizeof(T) == 2 && kPack == 1) {  // single elements (rows not whole 16-byte packs)
+    out[0] = to_acc(p.v[0]);
+  } else if constexpr (std::is_same_v<T, float>) {
 #pragma unroll
     for (int e = 0; e < kPack; ++e) out[e] = p.v[e];
   } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -49,7 +51,9 @@ __device__ __forceinline__ void unpack_floats(const Pack<T, kPack>& p, float (&o
 template <class T, int kPack>
 __device__ __forceinline__ Pack<T, kPack> pack_floats(const float (&v)[kPack]) {
   Pack<T, kPack> p;
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (sizeof(T) == 2 && kPack == 1) {
+    p.v[0] = from_acc<T>(v[0]);
+  } else if constexpr (std::is_same_v<T, float>) {
 #pragma unroll
     for (int e = 0; e < kPack; ++e) p.v[e] = v[e];
   } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -253,7 +257,8 @@ template <class T, int kPack, int kPacks, int kWidth, int kRows>
 __global__ void __launch_bounds__(128, lean_min_blocks<T>(kPacks, kWidth, kPack* kPacks * kRows * sizeof(T)))
     forward_lean(ForwardArgs a) {
   cuda::enter_kernel();
-  static_assert(sizeof(T) <= 4 && kPack * sizeof(T) == 16, "16-byte packs of float / 16-bit types");
+  static_assert(sizeof(T) <= 4 && (kPack * sizeof(T) == 16 || kPack == 1),
+                "16-byte packs of float / 16-bit types, or single elements");
   if (a.shape.rms) forward_lean_body<T, kPack, kPacks, kWidth, kRows, true>(a);
   else forward_lean_body<T, kPack, kPacks, kWidth, kRows, false>(a);
 }
