@@ -227,6 +227,49 @@ struct WarpAccLayout {
     const int p = static_cast<int>(c / kPack), e = static_cast<int>(c % kPack);
     return offset(p % 32, p / 32, e);
   }
+  using Chunk = Pack<A, kChunk>;
+  // The lane's positions in both slices (acc_b only when `two`: layer_norm's dbias) set to 0, all
+  // kPacks packs of them (also past the row: the slot's column sums read them).
+  __device__ static void zero(A* acc_s, A* acc_b, bool two, int lane) {
+    const Chunk z{};
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+      for (int e = 0; e < kPack; e += kChunk) {
+        store_pack(acc_s + offset(lane, k, e), z);
+        if (two) store_pack(acc_b + offset(lane, k, e), z);
+      }
+  }
+  // The lane's k-th pack of both slices into as / ab (ab 0 unless `two`).
+  __device__ static void load(const A* acc_s, const A* acc_b, bool two, int lane, int k, A (&as)[kPack],
+                              A (&ab)[kPack]) {
+#pragma unroll
+    for (int e = 0; e < kPack; e += kChunk) {
+      const Chunk cs = load_pack<A, kChunk>(acc_s + offset(lane, k, e));
+      Chunk cb{};
+      if (two) cb = load_pack<A, kChunk>(acc_b + offset(lane, k, e));
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        as[e + i] = cs.v[i];
+        ab[e + i] = cb.v[i];
+      }
+    }
+  }
+  // as / ab back into the lane's k-th pack of both slices (ab only when `two`).
+  __device__ static void store(A* acc_s, A* acc_b, bool two, int lane, int k, const A (&as)[kPack],
+                               const A (&ab)[kPack]) {
+#pragma unroll
+    for (int e = 0; e < kPack; e += kChunk) {
+      Chunk cs, cb;
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        cs.v[i] = as[e + i];
+        cb.v[i] = ab[e + i];
+      }
+      store_pack(acc_s + offset(lane, k, e), cs);
+      if (two) store_pack(acc_b + offset(lane, k, e), cb);
+    }
+  }
 };
 
 // Dynamic shared memory of backward_warp: nacc slices per warp.
@@ -244,7 +287,6 @@ __global__ void __launch_bounds__(256, kMinBlocks) backward_warp(BackwardArgs a,
   cuda::enter_kernel();
   using A = acc_t<T>;
   using L = WarpAccLayout<A, kPack, kPacks>;
-  using Chunk = Pack<A, L::kChunk>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const Shape s = a.shape;
   const int nacc = num_acc(s.rms);
@@ -261,17 +303,7 @@ __global__ void __launch_bounds__(256, kMinBlocks) backward_warp(BackwardArgs a,
     int64_t begin, end;
     slot_rows(s, g, j, used, &begin, &end);
     const T* scale = static_cast<const T*>(a.scale) + g * s.cols;
-    // Zero this lane's own positions (all of them, also past npacks: the sum below reads them).
-    Chunk zero;
-#pragma unroll
-    for (int i = 0; i < L::kChunk; ++i) zero.v[i] = A(0);
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k)
-#pragma unroll
-      for (int e = 0; e < kPack; e += L::kChunk) {
-        store_pack(acc_s + L::offset(lane, k, e), zero);
-        if (nacc == 2) store_pack(acc_b + L::offset(lane, k, e), zero);
-      }
+    L::zero(acc_s, acc_b, nacc == 2, lane);
     // The row is warp-uniform, so the shuffles below always see the whole warp.
     for (int64_t row = begin + warp; row < end; row += nwarps) {
       A mean, rstd;
@@ -305,31 +337,11 @@ __global__ void __launch_bounds__(256, kMinBlocks) backward_warp(BackwardArgs a,
         const int64_t p = lane + k * 32;
         if (p < npacks) {
           A as[kPack], ab[kPack];
-#pragma unroll
-          for (int e = 0; e < kPack; e += L::kChunk) {
-            const Chunk cs = load_pack<A, L::kChunk>(acc_s + L::offset(lane, k, e));
-            Chunk cb = zero;
-            if (nacc == 2) cb = load_pack<A, L::kChunk>(acc_b + L::offset(lane, k, e));
-#pragma unroll
-            for (int i = 0; i < L::kChunk; ++i) {
-              as[e + i] = cs.v[i];
-              ab[e + i] = cb.v[i];
-            }
-          }
+          L::load(acc_s, acc_b, nacc == 2, lane, k, as, ab);
           store_pack(dx + row * s.cols + p * kPack,
                      pack_dx<T, kPack>(xp[k], dp[k], load_pack<T, kPack>(scale + p * kPack), mean, rstd, mg, mgx,
                                        as, ab));  // rms_norm: ab is added to but never stored
-#pragma unroll
-          for (int e = 0; e < kPack; e += L::kChunk) {
-            Chunk cs, cb;
-#pragma unroll
-            for (int i = 0; i < L::kChunk; ++i) {
-              cs.v[i] = as[e + i];
-              cb.v[i] = ab[e + i];
-            }
-            store_pack(acc_s + L::offset(lane, k, e), cs);
-            if (nacc == 2) store_pack(acc_b + L::offset(lane, k, e), cb);
-          }
+          L::store(acc_s, acc_b, nacc == 2, lane, k, as, ab);
         }
       }
     }

@@ -20,7 +20,6 @@ __global__ void __launch_bounds__(256, kMinBlocks) backward_warp_lean(BackwardAr
   static_assert(sizeof(acc_t<T>) == 4, "float statistics");
   cuda::enter_kernel();
   using L = WarpAccLayout<float, kPack, kPacks>;
-  using Chunk = Pack<float, L::kChunk>;
   constexpr int kNacc = kRms ? 1 : 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const Shape s = a.shape;
@@ -40,15 +39,7 @@ __global__ void __launch_bounds__(256, kMinBlocks) backward_warp_lean(BackwardAr
     int64_t begin, end;
     slot_rows(s, g, j, used, &begin, &end);
     const T* scale = static_cast<const T*>(a.scale) + g * s.cols;
-    // Zero this lane's own positions (all of them, also past npacks: the sum below reads them).
-    const Chunk zero{};
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k)
-#pragma unroll
-      for (int e = 0; e < kPack; e += L::kChunk) {
-        store_pack(acc_s + L::offset(lane, k, e), zero);
-        if constexpr (!kRms) store_pack(acc_b + L::offset(lane, k, e), zero);
-      }
+    L::zero(acc_s, acc_b, !kRms, lane);
     // The row is warp-uniform, so the shuffles below always see the whole warp.
     for (int64_t row = begin + warp; row < end; row += nwarps) {
       const float mean = kRms ? 0.0f : means[row], rstd = rstds[row];
@@ -82,33 +73,14 @@ __global__ void __launch_bounds__(256, kMinBlocks) backward_warp_lean(BackwardAr
         const int p = lane + k * 32;
         if (p < npacks) {
           float as[kPack], ab[kPack];
-#pragma unroll
-          for (int e = 0; e < kPack; e += L::kChunk) {
-            const Chunk cs = load_pack<float, L::kChunk>(acc_s + L::offset(lane, k, e));
-            const Chunk cb = kRms ? zero : load_pack<float, L::kChunk>(acc_b + L::offset(lane, k, e));
-#pragma unroll
-            for (int i = 0; i < L::kChunk; ++i) {
-              as[e + i] = cs.v[i];
-              ab[e + i] = cb.v[i];
-            }
-          }
+          L::load(acc_s, acc_b, !kRms, lane, k, as, ab);
           float xf[kPack], df[kPack], sf[kPack], out[kPack];
           unpack_floats<T, kPack>(xp[k], xf);
           unpack_floats<T, kPack>(dp[k], df);
           unpack_floats<T, kPack>(load_pack<T, kPack>(scale + p * kPack), sf);
           dx_pack<kPack, kRms>(xf, df, sf, mean, rstd, c1, c0, out, as, ab);
           store_pack(dx + row * s.cols + p * kPack, pack_floats<T, kPack>(out));
-#pragma unroll
-          for (int e = 0; e < kPack; e += L::kChunk) {
-            Chunk cs, cb;
-#pragma unroll
-            for (int i = 0; i < L::kChunk; ++i) {
-              cs.v[i] = as[e + i];
-              cb.v[i] = ab[e + i];
-            }
-            store_pack(acc_s + L::offset(lane, k, e), cs);
-            if constexpr (!kRms) store_pack(acc_b + L::offset(lane, k, e), cb);
-          }
+          L::store(acc_s, acc_b, !kRms, lane, k, as, ab);
         }
       }
     }
