@@ -149,10 +149,14 @@ inline A block_exp_sum(const A* in, A sub, int64_t m) {
 }
 
 // Sum over [0, n) of t = (v[i] - shift) - mean, computed in A (for layer_norm: x - x[0] is exact,
-// see layer_norm_cpu.cc), or with kSquares of t^2 squared in double; in double, 8 double lanes in
-// order folded as a tree (the normalizations' statistics, where float32 lanes were not accurate
-// enough: tests/test_fuzz.py).
-constexpr int kDoubleLanes = 8;
+// see layer_norm_cpu.cc), or with kSquares of t^2, for the normalizations' statistics: float32
+// lanes were not accurate enough there (tests/test_fuzz.py), so the total is a double sum, 16
+// double lanes in order folded as a tree. Float rows reach those lanes in float partials of
+// kFloatRun terms (t, or t^2 by a fused multiply-add where the ISA has one), each at most kFloatRun
+// rounding errors of 2^-24 relative: converting every element to double instead held a row to one
+// element a cycle (session 54).
+constexpr int kDoubleLanes = 16;
+constexpr int kFloatRun = 4;
 template <int W, bool kSquares = false, class A>
 inline double dsum(const A* v, int64_t n, A shift = A(0), A mean = A(0)) {
   using V = Vec<W>;
@@ -160,6 +164,21 @@ inline double dsum(const A* v, int64_t n, A shift = A(0), A mean = A(0)) {
   typename V::D acc[kDoubleLanes / kPer];
   for (auto& a : acc) a = typename V::D{};
   int64_t i = 0;
+  if constexpr (std::is_same_v<A, float>) {
+    constexpr int64_t kStep = kDoubleLanes * kFloatRun;
+    for (; i + kStep <= n; i += kStep)
+      for (int k = 0; k < kDoubleLanes / W; ++k) {
+        typename V::F part = V::splat(0.0f);
+        for (int r = 0; r < kFloatRun; ++r) {
+          const typename V::F t = (V::load(v + i + r * kDoubleLanes + k * W) - shift) - mean;
+          part += kSquares ? t * t : t;
+        }
+        typename V::D lo, hi;
+        V::to_doubles(part, &lo, &hi);
+        acc[2 * k] += lo;
+        acc[2 * k + 1] += hi;
+      }
+  }
   for (; i + kDoubleLanes <= n; i += kDoubleLanes)
     for (int k = 0; k < kDoubleLanes / kPer; ++k) {
       const typename V::D d = V::widen_d(v + i + k * kPer, shift, mean);

@@ -25,13 +25,16 @@ typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef double vd4 __attribute__((vector_size(32)));
 template <int W> struct VecTypes;  // (GCC drops vector_size on a typedef whose size is dependent)
+typedef float vf2 __attribute__((vector_size(8)));
 template <> struct VecTypes<4> {
   using F = vf4;
+  using H = vf2;
   using I = vi4;
   using D = vd2;
 };
 template <> struct VecTypes<8> {
   using F = vf8;
+  using H = vf4;
   using I = vi8;
   using D = vd4;
 };
@@ -41,6 +44,7 @@ struct Vec {
   using F = typename VecTypes<W>::F;  // W floats
   using I = typename VecTypes<W>::I;  // W int32
   using D = typename VecTypes<W>::D;  // W / 2 doubles
+  using H = typename VecTypes<W>::H;  // W / 2 floats
   static F load(const float* p) {
     F v;
     std::memcpy(&v, p, sizeof v);
@@ -76,6 +80,17 @@ struct Vec {
     D d;
     for (int k = 0; k < W / 2; ++k) d[k] = static_cast<double>((p[k] - shift) - mean);
     return d;
+  }
+  // The two halves of v as doubles: lo = v[0, W/2), hi = v[W/2, W).
+  static void to_doubles(F v, D* lo, D* hi) {
+    H h[2];
+    std::memcpy(h, &v, sizeof v);
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 9)
+    *lo = __builtin_convertvector(h[0], D);
+    *hi = __builtin_convertvector(h[1], D);
+#else
+    for (int k = 0; k < W / 2; ++k) (*lo)[k] = h[0][k], (*hi)[k] = h[1][k];
+#endif
   }
 
   // exp(d) in float32 for d <= 88 (softmax and logsumexp only take exp(x - max) <= 1): Cody-Waite

@@ -51,14 +51,20 @@ void forward_rows(const ForwardArgs& a) {
     const A rstd = A(1) / std::sqrt(static_cast<A>(sq / static_cast<double>(n)) + static_cast<A>(s.epsilon));
     A* out = v.data();
     if constexpr (std::is_same_v<T, A>) out = y + r * n;
-    for (int64_t c = 0; c < n; ++c) out[c] = ((xv[c] - shift) - mean_rel) * rstd * sc[c];
     if (bias)
-      for (int64_t c = 0; c < n; ++c) out[c] += bi[c];
+      for (int64_t c = 0; c < n; ++c) out[c] = ((xv[c] - shift) - mean_rel) * rstd * sc[c] + bi[c];
+    else
+      for (int64_t c = 0; c < n; ++c) out[c] = ((xv[c] - shift) - mean_rel) * rstd * sc[c];
     if constexpr (!std::is_same_v<T, A>) cpu::narrow(v.data(), y + r * n, n);
     if (mean_out) mean_out[r] = shift + mean_rel;
     rstd_out[r] = rstd;
   }
 }
+
+// Rows whose dscale / dbias terms are summed in float before they join the double column sums:
+// converting every term to double cost two conversions an element (session 54), while a float
+// partial of kColumnRun terms carries at most that many roundings of 2^-24 relative.
+constexpr int64_t kColumnRun = 8;
 
 template <int W, class T>
 void backward_rows(const BackwardArgs& a) {
@@ -71,31 +77,48 @@ void backward_rows(const BackwardArgs& a) {
   const T* dy = static_cast<const T*>(a.dy);
   T* dx = static_cast<T*>(a.dx);
   const int64_t n = s.cols;
-  std::vector<double> dscale(n), dbias(n);  // double sums, as in forward_rows
-  std::vector<A> sc(n), xhat(n), d(n), gv(n), t(n);
+  constexpr bool kInPlace = std::is_same_v<T, A>;  // float / double rows need no scratch copy
+  std::vector<double> dscale(n), dbias(n);
+  std::vector<A> sc(n), part_s(n), part_b(n), gv(n), t(n), xw(kInPlace ? 0 : n), dw(kInPlace ? 0 : n);
+  const auto flush = [&] {
+    for (int64_t c = 0; c < n; ++c) dscale[c] += static_cast<double>(part_s[c]), part_s[c] = A(0);
+    for (int64_t c = 0; c < n; ++c) dbias[c] += static_cast<double>(part_b[c]), part_b[c] = A(0);
+  };
   for (int64_t g = 0; g < s.groups; ++g) {
     std::fill(dscale.begin(), dscale.end(), 0.0);
     std::fill(dbias.begin(), dbias.end(), 0.0);
+    std::fill(part_s.begin(), part_s.end(), A(0));
+    std::fill(part_b.begin(), part_b.end(), A(0));
     cpu::widen(scale + g * n, sc.data(), n);
-    for (int64_t r = g * s.rows_per_group; r < (g + 1) * s.rows_per_group; ++r) {
+    const int64_t first = g * s.rows_per_group, last = first + s.rows_per_group;
+    for (int64_t r = first; r < last; ++r) {
       const A mean = mean_in ? mean_in[r] : A(0), rstd = rstd_in[r];
-      cpu::widen(x + r * n, xhat.data(), n);
-      cpu::widen(dy + r * n, d.data(), n);
+      const A* xr = xw.data();
+      const A* dr = dw.data();
+      if constexpr (kInPlace) {
+        xr = x + r * n;
+        dr = dy + r * n;
+      } else {
+        cpu::widen(x + r * n, xw.data(), n);
+        cpu::widen(dy + r * n, dw.data(), n);
+      }
       // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * scale (no mean(g) for rms).
       for (int64_t c = 0; c < n; ++c) {
-        xhat[c] = (xhat[c] - mean) * rstd;
-        gv[c] = d[c] * sc[c];
-        t[c] = gv[c] * xhat[c];
+        const A xhat = (xr[c] - mean) * rstd;
+        gv[c] = dr[c] * sc[c];
+        t[c] = gv[c] * xhat;
+        part_s[c] += dr[c] * xhat;
+        part_b[c] += dr[c];
       }
+      if ((r - first + 1) % kColumnRun == 0) flush();
       const double sum_g = s.rms ? 0.0 : cpu::dsum<W>(gv.data(), n), sum_gx = cpu::dsum<W>(t.data(), n);
-      for (int64_t c = 0; c < n; ++c) {
-        dscale[c] += static_cast<double>(d[c] * xhat[c]);
-        dbias[c] += static_cast<double>(d[c]);
-      }
       const A mg = static_cast<A>(sum_g / static_cast<double>(n)), mgx = static_cast<A>(sum_gx / static_cast<double>(n));
-      for (int64_t c = 0; c < n; ++c) t[c] = rstd * (gv[c] - mg - xhat[c] * mgx);
-      cpu::narrow(t.data(), dx + r * n, n);
+      A* out = t.data();
+      if constexpr (kInPlace) out = dx + r * n;
+      for (int64_t c = 0; c < n; ++c) out[c] = rstd * (gv[c] - mg - ((xr[c] - mean) * rstd) * mgx);
+      if constexpr (!kInPlace) cpu::narrow(t.data(), dx + r * n, n);
     }
+    flush();
     for (int64_t c = 0; c < n; ++c) t[c] = static_cast<A>(dscale[c]);
     cpu::narrow(t.data(), static_cast<T*>(a.dscale) + g * n, n);
     if (a.dbias) {
