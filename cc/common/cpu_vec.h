@@ -81,16 +81,16 @@ struct Vec {
     for (int k = 0; k < W / 2; ++k) d[k] = static_cast<double>((p[k] - shift) - mean);
     return d;
   }
-  // The two halves of v as doubles: lo = v[0, W/2), hi = v[W/2, W).
+  // The two halves of v as doubles: lo = v[0, W/2), hi = v[W/2, W). Element by element, because
+  // GCC 12 lowers __builtin_convertvector(vf4 -> vd4) to two 2-wide conversions and a merge.
   static void to_doubles(F v, D* lo, D* hi) {
     H h[2];
     std::memcpy(h, &v, sizeof v);
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 9)
-    *lo = __builtin_convertvector(h[0], D);
-    *hi = __builtin_convertvector(h[1], D);
-#else
-    for (int k = 0; k < W / 2; ++k) (*lo)[k] = h[0][k], (*hi)[k] = h[1][k];
-#endif
+    D a, b;
+    for (int k = 0; k < W / 2; ++k) a[k] = h[0][k];
+    for (int k = 0; k < W / 2; ++k) b[k] = h[1][k];
+    *lo = a;
+    *hi = b;
   }
 
   // exp(d) in float32 for d <= 88 (softmax and logsumexp only take exp(x - max) <= 1): Cody-Waite
