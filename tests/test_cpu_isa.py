@@ -84,9 +84,11 @@ def np_reduce(name):
     return run
 
 
+# Columns: (150, 203) gives leaves of 64 rows and the rest, tiles of 8 vectors, single vectors and
+# scalar columns on both paths.
 @pytest.mark.parametrize("shape,axis", [((3, 1), -1), ((4, 17), -1), ((3, 5000), -1), ((2, 70001), -1),
-                                        ((70001,), None), ((37, 5), 0), ((130, 33), 0)])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+                                        ((70001,), None), ((37, 5), 0), ((130, 33), 0), ((150, 203), 0)])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_reductions(shape, axis, dtype):
     x = normal(jax.random.key(shape[0]), shape, dtype, scale=4.0)
     inputs = [x]

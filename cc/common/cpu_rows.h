@@ -3,8 +3,11 @@
 // narrow it back. cpu_float.h's conversions are branch-free, so these loops vectorize.
 #pragma once
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "common/cpu_float.h"
+#include "common/cpu_vec.h"
 
 namespace jaxops::cpu {
 
@@ -18,6 +21,26 @@ inline void widen(const T* src, A* dst, int64_t n) {
 template <class T, class A>
 inline void narrow(const A* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(src[i]);
+}
+
+// W consecutive storage values as a vector of floats, for loops that read rows in place: float
+// as it is, bfloat16 by widening its bits and shifting them up, float16 a lane at a time.
+template <int W, class T>
+inline typename Vec<W>::F load_floats(const T* p) {
+  using V = Vec<W>;
+  if constexpr (std::is_same_v<T, float>) {
+    return V::load(p);
+  } else if constexpr (std::is_same_v<T, bf16>) {
+    typename V::U16 h;
+    std::memcpy(&h, p, sizeof h);
+    typename V::I i;
+    for (int k = 0; k < W; ++k) i[k] = h[k];
+    return V::floats(i << 16);
+  } else {
+    typename V::F v;
+    for (int k = 0; k < W; ++k) v[k] = to_float(p[k]);
+    return v;
+  }
 }
 
 }  // namespace jaxops::cpu

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "common/cpu_bits.h"
+#include "common/cpu_rows.h"
 #include "common/cpu_vec.h"
 
 namespace jaxops::cpu {
@@ -37,8 +38,10 @@ template <bool kMax, class A>
 inline bool beats(A x, A run) {
   return (kMax ? x > run : x < run) | (x != x);
 }
-template <int W, class A>
-inline A block_sum(const A* v, int64_t m) {
+// Rows of any storage type T are read in place: float states load through load_floats (no
+// scratch copy of 16-bit rows first, session 54).
+template <int W, class T, class A = acc_t<T>>
+inline A block_sum(const T* v, int64_t m) {
   using V = Vec<W>;
   A lane[kLanes] = {};
   int64_t i = 0;
@@ -46,13 +49,13 @@ inline A block_sum(const A* v, int64_t m) {
     typename V::F acc[kLanes / W];
     for (auto& a : acc) a = V::splat(0.0f);
     for (; i + kLanes <= m; i += kLanes)
-      for (int k = 0; k < kLanes / W; ++k) acc[k] += V::load(v + i + k * W);
+      for (int k = 0; k < kLanes / W; ++k) acc[k] += load_floats<W>(v + i + k * W);
     for (int k = 0; k < kLanes / W; ++k) V::store(lane + k * W, acc[k]);
   } else {
     for (; i + kLanes <= m; i += kLanes)
-      for (int j = 0; j < kLanes; ++j) lane[j] += v[i + j];
+      for (int j = 0; j < kLanes; ++j) lane[j] += to_float(v[i + j]);
   }
-  for (int j = 0; i + j < m; ++j) lane[j] += v[i + j];
+  for (int j = 0; i + j < m; ++j) lane[j] += static_cast<A>(to_float(v[i + j]));
   return tree_sum<kLanes>(lane);
 }
 
@@ -66,9 +69,10 @@ inline double lane_sum(const A* v, int64_t n) {
   return total;
 }
 
-// max (kMax) or min of v[0, n) propagating NaN like jnp.max; the identity for n = 0.
-template <int W, bool kMax, class A>
-inline A lane_extremum(const A* v, int64_t n) {
+// max (kMax) or min of v[0, n) propagating NaN like jnp.max; the identity for n = 0. Rows of
+// any storage type, read in place as in block_sum.
+template <int W, bool kMax, class T, class A = acc_t<T>>
+inline A lane_extremum(const T* v, int64_t n) {
   using V = Vec<W>;
   const A id = kMax ? -std::numeric_limits<A>::infinity() : std::numeric_limits<A>::infinity();
   A lane[kLanes];
@@ -80,7 +84,7 @@ inline A lane_extremum(const A* v, int64_t n) {
     typename V::I nan = typename V::I{};
     for (; i + kLanes <= n; i += kLanes) {
       for (int k = 0; k < kLanes / W; ++k) {
-        const typename V::F x = V::load(v + i + k * W);
+        const typename V::F x = load_floats<W>(v + i + k * W);
         acc[k] = V::select(kMax ? x > acc[k] : x < acc[k], x, acc[k]);
         nan |= x != x;
       }
@@ -93,8 +97,8 @@ inline A lane_extremum(const A* v, int64_t n) {
   }
   const auto pick = [](A run, A x) { return beats<kMax>(x, run) ? x : run; };
   for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] = pick(lane[j], v[i + j]);
-  for (int j = 0; i + j < n; ++j) lane[j] = pick(lane[j], v[i + j]);
+    for (int j = 0; j < kLanes; ++j) lane[j] = pick(lane[j], static_cast<A>(to_float(v[i + j])));
+  for (int j = 0; i + j < n; ++j) lane[j] = pick(lane[j], static_cast<A>(to_float(v[i + j])));
   return tree_fold<kLanes>(lane, pick);
 }
 

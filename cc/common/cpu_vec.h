@@ -26,15 +26,19 @@ typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef double vd4 __attribute__((vector_size(32)));
 template <int W> struct VecTypes;  // (GCC drops vector_size on a typedef whose size is dependent)
 typedef float vf2 __attribute__((vector_size(8)));
+typedef uint16_t vu4 __attribute__((vector_size(8)));
+typedef uint16_t vu8 __attribute__((vector_size(16)));
 template <> struct VecTypes<4> {
   using F = vf4;
   using H = vf2;
+  using U16 = vu4;
   using I = vi4;
   using D = vd2;
 };
 template <> struct VecTypes<8> {
   using F = vf8;
   using H = vf4;
+  using U16 = vu8;
   using I = vi8;
   using D = vd4;
 };
@@ -45,6 +49,7 @@ struct Vec {
   using I = typename VecTypes<W>::I;  // W int32
   using D = typename VecTypes<W>::D;  // W / 2 doubles
   using H = typename VecTypes<W>::H;  // W / 2 floats
+  using U16 = typename VecTypes<W>::U16;  // W uint16 (16-bit storage)
   static F load(const float* p) {
     F v;
     std::memcpy(&v, p, sizeof v);

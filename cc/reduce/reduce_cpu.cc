@@ -10,6 +10,7 @@
 #include "common/cpu_rows.h"
 #include "common/cpu_sums.h"
 #include "common/cpu_vec.h"
+#include "reduce/reduce_columns_cpu.h"
 
 namespace jaxops::reduce {
 namespace {
@@ -54,21 +55,29 @@ class PairwiseFold {
 
 template <class Op, class A = typename Op::State>
 constexpr bool kExtremumOp = std::is_same_v<Op, ExtremumOp<A, true>> || std::is_same_v<Op, ExtremumOp<A, false>>;
+template <class Op, class A = typename Op::State>
+constexpr bool kSumOp = std::is_same_v<Op, SumOp<A, true>> || std::is_same_v<Op, SumOp<A, false>>;
+// Column reductions whose states are plain floats run through column_leaf (reduce_columns_cpu.h).
+template <class Op>
+constexpr bool kFloatColumns = std::is_same_v<typename Op::State, float> && (kSumOp<Op> || kExtremumOp<Op>);
 
 // Sum, mean, max, min and logsumexp of one contiguous row, a kSumBlock-element block at a time
-// through float scratch (cpu_rows.h, cpu_sums.h), the blocks folded pairwise. logsumexp takes two passes over
-// a block (its max, then the sum of exp(x - max)) instead of the online form's exp per element.
+// (cpu_sums.h), the blocks folded pairwise. logsumexp takes two passes over a block (its max, then
+// the sum of exp(x - max)) instead of the online form's exp per element.
 template <int W, class Op, class T>
 typename Op::State row_blocks(const T* x, int64_t n) {
   using A = acc_t<T>;
-  A buf[cpu::kSumBlock];
+  A scratch[std::is_same_v<T, A> || !std::is_same_v<Op, LogSumExpOp<A>> ? 1 : cpu::kSumBlock];
   using S = typename Op::State;
   const auto merge = [](const S& left, S& right) { right = Op::merge(left, right); };
   PairwiseFold<S, decltype(merge)> fold(merge);
   for (int64_t b = 0; b < n; b += cpu::kSumBlock) {
     const int64_t m = std::min(cpu::kSumBlock, n - b);
-    cpu::widen(x + b, buf, m);
     if constexpr (std::is_same_v<Op, LogSumExpOp<A>>) {
+      // Two passes over the block: float / double rows in place, 16-bit ones widened once.
+      const A* buf = scratch;
+      if constexpr (std::is_same_v<T, A>) buf = x + b;
+      else cpu::widen(x + b, scratch, m);
       const A mx = cpu::lane_extremum<W, true>(buf, m);
       if (!std::isfinite(mx)) {  // NaN, +inf or all -inf: the answer itself (see LogSumExpOp)
         fold.push({mx, A(0)});
@@ -76,9 +85,9 @@ typename Op::State row_blocks(const T* x, int64_t n) {
       }
       fold.push({mx, cpu::block_exp_sum<W>(buf, mx, m)});
     } else if constexpr (kExtremumOp<Op>) {
-      fold.push(cpu::lane_extremum<W, Op::kIsMax>(buf, m));
+      fold.push(cpu::lane_extremum<W, Op::kIsMax>(x + b, m));
     } else {
-      fold.push(cpu::block_sum<W>(buf, m));
+      fold.push(cpu::block_sum<W>(x + b, m));
     }
   }
   return fold.result(Op::identity());
@@ -88,21 +97,21 @@ typename Op::State row_blocks(const T* x, int64_t n) {
 // block at a time), then the first index holding it (first_index_of): jnp.argmax's answer (the
 // first NaN, else the lowest index among ties, -0 and +0 equal) in two vectorized passes instead
 // of a compare-and-branch an element (session 52's twin: 3 ns an element, 1.3x XLA's time).
-// Rows of one block are widened once.
+// 16-bit rows are widened for the second pass only.
 template <int W, bool kMax, class T>
 int32_t row_arg(const T* x, int64_t n) {
   using A = acc_t<T>;
-  A buf[cpu::kSumBlock];
+  A scratch[std::is_same_v<T, A> ? 1 : cpu::kSumBlock];
   A m = kMax ? -std::numeric_limits<A>::infinity() : std::numeric_limits<A>::infinity();
   for (int64_t b = 0; b < n; b += cpu::kSumBlock) {
-    const int64_t len = std::min(cpu::kSumBlock, n - b);
-    cpu::widen(x + b, buf, len);
-    const A bm = cpu::lane_extremum<W, kMax>(buf, len);
+    const A bm = cpu::lane_extremum<W, kMax>(x + b, std::min(cpu::kSumBlock, n - b));
     if (cpu::beats<kMax>(bm, m)) m = bm;
   }
   for (int64_t b = 0; b < n; b += cpu::kSumBlock) {
     const int64_t len = std::min(cpu::kSumBlock, n - b);
-    if (n > cpu::kSumBlock) cpu::widen(x + b, buf, len);
+    const A* buf = scratch;
+    if constexpr (std::is_same_v<T, A>) buf = x + b;
+    else cpu::widen(x + b, scratch, len);
     const int64_t i = cpu::first_index_of<W>(buf, len, m);
     if (i < len) return static_cast<int32_t>(b + i);
   }
@@ -128,6 +137,26 @@ void columns_pairwise(const T* x, int64_t lo, int64_t hi, int64_t inner, typenam
   for (int64_t c = 0; c < inner; ++c) acc[c] = Op::merge(acc[c], right[c]);
 }
 
+// The columns of a (reduced, inner) slab for kFloatColumns ops: leaves of kLeaf rows in order
+// (column_leaf), the leaves folded pairwise by PairwiseFold; no recursion, so all of it inlines
+// into the AVX2 clone.
+template <int W, class Op, class T>
+void columns_fold(const T* x, int64_t reduced, int64_t inner, float* out) {
+  using S = std::vector<float>;
+  const auto merge = [inner](const S& left, S& right) {
+    for (int64_t c = 0; c < inner; ++c) right[c] = Op::merge(left[c], right[c]);
+  };
+  PairwiseFold<S, decltype(merge)> fold(merge);
+  for (int64_t r0 = 0; r0 < reduced; r0 += kLeaf) {
+    S leaf(inner, Op::identity());
+    if constexpr (kSumOp<Op>) column_leaf<W, true, true>(x + r0 * inner, std::min(kLeaf, reduced - r0), inner, leaf.data());
+    else column_leaf<W, false, Op::kIsMax>(x + r0 * inner, std::min(kLeaf, reduced - r0), inner, leaf.data());
+    fold.push(std::move(leaf));
+  }
+  const S total = fold.result(S(inner, Op::identity()));
+  std::copy(total.begin(), total.end(), out);
+}
+
 // Column logsumexp: the columns' max (pairwise, as max_cols), then the sum of exp(x - max) a
 // row at a time (exp_shifted over the row), leaves of kLeaf rows folded by PairwiseFold (no
 // recursion: all of it inlines into the AVX2 clone), then max + log(sum).
@@ -135,7 +164,8 @@ template <int W, class T>
 void columns_logsumexp(const T* x, int64_t reduced, int64_t inner, acc_t<T>* out) {
   using A = acc_t<T>;
   std::vector<A> mx(inner, -std::numeric_limits<A>::infinity()), row(inner);
-  columns_pairwise<ExtremumOp<A, true>>(x, 0, reduced, inner, mx.data(), row.data());
+  if constexpr (std::is_same_v<A, float>) columns_fold<W, ExtremumOp<A, true>>(x, reduced, inner, mx.data());
+  else columns_pairwise<ExtremumOp<A, true>>(x, 0, reduced, inner, mx.data(), row.data());
   const auto add = [inner](const std::vector<A>& left, std::vector<A>& right) {
     for (int64_t c = 0; c < inner; ++c) right[c] = left[c] + right[c];
   };
@@ -180,7 +210,8 @@ void run(const T* x, void* y, int64_t outer, int64_t reduced, int64_t inner) {
     }
     acc.assign(inner, Op::identity());
     row.resize(inner);
-    columns_pairwise<Op>(xo, 0, reduced, inner, acc.data(), row.data());
+    if constexpr (kFloatColumns<Op>) columns_fold<W, Op>(xo, reduced, inner, acc.data());
+    else columns_pairwise<Op>(xo, 0, reduced, inner, acc.data(), row.data());
     for (int64_t c = 0; c < inner; ++c) store<Op, T>(y, o * inner + c, acc[c], reduced);
   }
 }
