@@ -7,10 +7,10 @@
 #include <utility>
 #include <vector>
 
+#include "common/cpu_columns.h"
 #include "common/cpu_rows.h"
 #include "common/cpu_sums.h"
 #include "common/cpu_vec.h"
-#include "reduce/reduce_columns_cpu.h"
 
 namespace jaxops::reduce {
 namespace {
@@ -57,7 +57,7 @@ template <class Op, class A = typename Op::State>
 constexpr bool kExtremumOp = std::is_same_v<Op, ExtremumOp<A, true>> || std::is_same_v<Op, ExtremumOp<A, false>>;
 template <class Op, class A = typename Op::State>
 constexpr bool kSumOp = std::is_same_v<Op, SumOp<A, true>> || std::is_same_v<Op, SumOp<A, false>>;
-// Column reductions whose states are plain floats run through column_leaf (reduce_columns_cpu.h).
+// Column reductions whose states are plain floats run through column_leaf (cpu_columns.h).
 template <class Op>
 constexpr bool kFloatColumns = std::is_same_v<typename Op::State, float> && (kSumOp<Op> || kExtremumOp<Op>);
 
@@ -149,8 +149,8 @@ void columns_fold(const T* x, int64_t reduced, int64_t inner, float* out) {
   PairwiseFold<S, decltype(merge)> fold(merge);
   for (int64_t r0 = 0; r0 < reduced; r0 += kLeaf) {
     S leaf(inner, Op::identity());
-    if constexpr (kSumOp<Op>) column_leaf<W, true, true>(x + r0 * inner, std::min(kLeaf, reduced - r0), inner, leaf.data());
-    else column_leaf<W, false, Op::kIsMax>(x + r0 * inner, std::min(kLeaf, reduced - r0), inner, leaf.data());
+    if constexpr (kSumOp<Op>) cpu::column_leaf<W, true, true>(x + r0 * inner, std::min(kLeaf, reduced - r0), inner, leaf.data());
+    else cpu::column_leaf<W, false, Op::kIsMax>(x + r0 * inner, std::min(kLeaf, reduced - r0), inner, leaf.data());
     fold.push(std::move(leaf));
   }
   const S total = fold.result(S(inner, Op::identity()));

@@ -1,0 +1,77 @@
+// Column sums, extrema and centred sums for the CPU twins (the reductions' columns, batch_norm's
+// per-channel statistics): rows added in order into float states, a tile of columns at a time
+// held in vector registers across the rows, read in place (no scratch row). The recursive column
+// twin these replace ran outside the AVX2 clone (flatten cannot inline recursion) and loaded and
+// stored its accumulators for every row: ~1 cycle an element (session 54).
+#pragma once
+#include <cstdint>
+
+#include "common/cpu_rows.h"
+#include "common/cpu_sums.h"
+#include "common/cpu_vec.h"
+
+namespace jaxops::cpu {
+
+// acc[c] for c in [0, NV * W) = acc[c] then x[r * inner + c] for r in [0, rows) in order, summed
+// (kSum) or their max (kMax) / min propagating NaN like jnp.max.
+template <int W, int NV, bool kSum, bool kMax, class T>
+inline void column_tile(const T* x, int64_t rows, int64_t inner, float* acc) {
+  using V = Vec<W>;
+  typename V::F a[NV];
+  for (int k = 0; k < NV; ++k) a[k] = V::load(acc + k * W);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int k = 0; k < NV; ++k) {
+      const typename V::F v = load_floats<W>(x + r * inner + k * W);
+      if constexpr (kSum) a[k] += v;
+      else a[k] = V::select((kMax ? v > a[k] : v < a[k]) | (v != v), v, a[k]);
+    }
+  for (int k = 0; k < NV; ++k) V::store(acc + k * W, a[k]);
+}
+
+// column_tile over all `inner` columns: tiles of 8 vectors, then single vectors, then scalars.
+template <int W, bool kSum, bool kMax, class T>
+inline void column_leaf(const T* x, int64_t rows, int64_t inner, float* acc) {
+  constexpr int kTile = 8;
+  int64_t c = 0;
+  for (; c + kTile * W <= inner; c += kTile * W) column_tile<W, kTile, kSum, kMax>(x + c, rows, inner, acc + c);
+  for (; c + W <= inner; c += W) column_tile<W, 1, kSum, kMax>(x + c, rows, inner, acc + c);
+  for (; c < inner; ++c)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float v = to_float(x[r * inner + c]);
+      if constexpr (kSum) acc[c] += v;
+      else acc[c] = beats<kMax>(v, acc[c]) ? v : acc[c];
+    }
+}
+
+// sum_d[c] += d and sum_d2[c] += d * d over rows [0, rows) in order, d = x[r * inner + c] - centre[c]
+// in float (batch_norm's variance about a float mean: the caller corrects by the mean of d).
+template <int W, int NV, class T>
+inline void centred_tile(const T* x, int64_t rows, int64_t inner, const float* centre, float* sum_d, float* sum_d2) {
+  using V = Vec<W>;
+  typename V::F m[NV], s[NV], q[NV];
+  for (int k = 0; k < NV; ++k) m[k] = V::load(centre + k * W), s[k] = V::load(sum_d + k * W), q[k] = V::load(sum_d2 + k * W);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int k = 0; k < NV; ++k) {
+      const typename V::F d = load_floats<W>(x + r * inner + k * W) - m[k];
+      s[k] += d;
+      q[k] += d * d;
+    }
+  for (int k = 0; k < NV; ++k) V::store(sum_d + k * W, s[k]), V::store(sum_d2 + k * W, q[k]);
+}
+
+// centred_tile over all `inner` columns: tiles of 4 vectors, then single vectors, then scalars.
+template <int W, class T>
+inline void centred_sums(const T* x, int64_t rows, int64_t inner, const float* centre, float* sum_d, float* sum_d2) {
+  constexpr int kTile = 4;
+  int64_t c = 0;
+  for (; c + kTile * W <= inner; c += kTile * W) centred_tile<W, kTile>(x + c, rows, inner, centre + c, sum_d + c, sum_d2 + c);
+  for (; c + W <= inner; c += W) centred_tile<W, 1>(x + c, rows, inner, centre + c, sum_d + c, sum_d2 + c);
+  for (; c < inner; ++c)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float d = to_float(x[r * inner + c]) - centre[c];
+      sum_d[c] += d;
+      sum_d2[c] += d * d;
+    }
+}
+
+}  // namespace jaxops::cpu
