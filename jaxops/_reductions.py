@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxops._checks import canonical_axes, check_float
 from jaxops._ffi import ffi_call
-from jaxops._sharding import Rule, sharded_call
+from jaxops._sharding import Rule, in_batched_trace, sharded_call
 
 __all__ = ["sum", "mean", "max", "min", "logsumexp", "argmax", "argmin"]
 
@@ -308,11 +308,15 @@ def _call_block(fn: str, x3: jax.Array) -> jax.Array:
     splits = _splits(outer, n, inner, jnp.dtype(x3.dtype).itemsize, fn)
     ws_bytes = outer * inner * splits * _state_bytes(fn, x3.dtype) if splits > 1 else 0
     out_dtype = jnp.int32 if fn in _ARG_OPS else x3.dtype
+    # Rows go in as a rank-2 (outer, n) view: given (outer, n, 1), XLA:CPU laid the bfloat16
+    # reshape out as {1,0,2} and copied the whole input to the operand's {2,1,0} first. Not
+    # under vmap: its leading batch axis would turn (outer, n) into (outer, n, inner).
+    rows = inner == 1 and not in_batched_trace()
     y, _ = ffi_call(fn, "jaxops_reduce",
-                    (jax.ShapeDtypeStruct((outer, inner), out_dtype),
+                    (jax.ShapeDtypeStruct((outer,) if rows else (outer, inner), out_dtype),
                      jax.ShapeDtypeStruct((ws_bytes,), jnp.uint8)),
-                    x3, op=_OPS[fn], splits=splits)
-    return y
+                    x3.reshape(outer, n) if rows else x3, op=_OPS[fn], splits=splits)
+    return y.reshape(outer, inner)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))

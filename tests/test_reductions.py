@@ -6,6 +6,7 @@ odd and wide inner extents (with and without a split of the reduced axis), and n
 axis tuples (transpose). On the CPU the same cases check the C++ twin.
 """
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -614,6 +615,21 @@ def test_ffi_handler_validates_again():
             jax.block_until_ready(ffi_call("sum", "jaxops_reduce",
                                            (jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct((0,), jnp.uint8)),
                                            x, op=op, splits=splits))
+    # Rank-2 (outer, reduced) row views: the output must be (outer,); rank 1 is no view at all.
+    for x_shape, y_shape in [((2, 3), (3,)), ((2, 3), (2, 1)), ((6,), (1,))]:
+        with pytest.raises(Exception, match="jaxops"):
+            jax.block_until_ready(ffi_call("sum", "jaxops_reduce",
+                                           (jax.ShapeDtypeStruct(y_shape, jnp.float32), jax.ShapeDtypeStruct((0,), jnp.uint8)),
+                                           jnp.ones(x_shape, jnp.float32), op=0, splits=1))
+
+
+def test_rows_reach_the_handler_without_a_copy():
+    """Row reductions pass a rank-2 view; an (outer, n, 1) one made XLA:CPU copy bfloat16 inputs."""
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jnp.ones((64, 256), dtype)
+        for fn in (jaxops.sum, jaxops.max, jaxops.logsumexp, jaxops.argmax):
+            hlo = jax.jit(lambda v: fn(v, axis=-1)).lower(x).compile().as_text()
+            assert not re.search(r"= \S+ copy\(", hlo), (fn.__name__, dtype)
 
 
 # (shape of the (outer, n, inner) view, splits): explicit split counts through the FFI target.

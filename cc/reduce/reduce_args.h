@@ -44,14 +44,17 @@ inline ffi::Error check_reduce(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
   if (auto err = require_float(name, x, &v->dtype); err.failure()) return err;
   auto xd = x.dimensions(), yd = y.dimensions();
   const size_t r = xd.size();
-  if (r < 3) return invalid_argument(name, "expected an (outer, reduced, inner) view of rank >= 3");
+  if (r < 2) return invalid_argument(name, "expected an (outer, reduced) or (outer, reduced, inner) view");
   for (size_t i = 0; i < r; ++i)
     if (xd[i] < 0) return invalid_argument(name, "negative dimension");
-  v->outer = dims_product(xd, 0, r - 2);
-  v->reduced = xd[r - 2];
-  v->inner = xd[r - 1];
-  bool shape_ok = yd.size() == r - 1 && yd[r - 2] == v->inner;
-  for (size_t i = 0; shape_ok && i + 2 < r; ++i) shape_ok = yd[i] == xd[i];
+  // Rank 2 is (outer, reduced) with inner = 1 (rows): jaxops/_reductions.py passes rows so,
+  // because XLA:CPU copied a bfloat16 (outer, reduced, 1) operand into a new layout first.
+  const bool rows = r == 2;
+  v->outer = dims_product(xd, 0, rows ? 1 : r - 2);
+  v->reduced = xd[rows ? 1 : r - 2];
+  v->inner = rows ? 1 : xd[r - 1];
+  bool shape_ok = rows ? yd.size() == 1 && yd[0] == xd[0] : yd.size() == r - 1 && yd[r - 2] == v->inner;
+  for (size_t i = 0; shape_ok && !rows && i + 2 < r; ++i) shape_ok = yd[i] == xd[i];
   if (!shape_ok) return invalid_argument(name, "output shape must be x's shape without the reduced axis");
   const bool arg = is_arg(v->kind);
   if (arg ? y.element_type() != ffi::DataType::S32 : y.element_type() != x.element_type())
