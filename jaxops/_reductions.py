@@ -343,7 +343,11 @@ def _reduce3_bwd(fn, n, residuals, g):
         acc = jnp.promote_types(x3.dtype, jnp.float32)
         p = jnp.exp(x3.astype(acc) - y.astype(acc)[:, None, :])
         return ((g.astype(acc)[:, None, :] * p).astype(x3.dtype),)
-    # max / min: jnp's rule, ties share equally (and a NaN result gives NaN gradients).
+    # max / min: jnp's rule, ties share equally (and a NaN result gives NaN gradients). Rows
+    # (inner 1) in 2-D: on (outer, n, 1) XLA:CPU copied bfloat16 operands into new layouts.
+    if inner == 1:
+        hit = (x3.reshape(outer, n) == y).astype(g.dtype)
+        return ((hit * (g / jnp.sum(hit, axis=1, keepdims=True))).reshape(shape),)
     hit = (x3 == y[:, None, :]).astype(g.dtype)
     counts = jnp.sum(hit, axis=1)
     return (hit * (g / counts)[:, None, :],)
