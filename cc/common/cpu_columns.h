@@ -74,4 +74,35 @@ inline void centred_sums(const T* x, int64_t rows, int64_t inner, const float* c
     }
 }
 
+// acc[c] += exp(x[r * inner + c] - centre[c]) over rows [0, rows) in order, with Vec::exp (the
+// column logsumexp's sums; the same exps and order as exp_shifted over each row, a row at a time).
+template <int W, int NV, class T>
+inline void exp_tile(const T* x, int64_t rows, int64_t inner, const float* centre, float* acc) {
+  using V = Vec<W>;
+  typename V::F m[NV], a[NV];
+  for (int k = 0; k < NV; ++k) m[k] = V::load(centre + k * W), a[k] = V::load(acc + k * W);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int k = 0; k < NV; ++k) a[k] += V::exp(load_floats<W>(x + r * inner + k * W) - m[k]);
+  for (int k = 0; k < NV; ++k) V::store(acc + k * W, a[k]);
+}
+
+// exp_tile over all `inner` columns: tiles of 2 vectors (the exp's constants need the other
+// registers), then single vectors, then the last columns through one padded vector a row.
+template <int W, class T>
+inline void column_exp_sums(const T* x, int64_t rows, int64_t inner, const float* centre, float* acc) {
+  using V = Vec<W>;
+  constexpr int kTile = 2;
+  int64_t c = 0;
+  for (; c + kTile * W <= inner; c += kTile * W) exp_tile<W, kTile>(x + c, rows, inner, centre + c, acc + c);
+  for (; c + W <= inner; c += W) exp_tile<W, 1>(x + c, rows, inner, centre + c, acc + c);
+  const int rest = static_cast<int>(inner - c);
+  if (rest == 0) return;
+  for (int64_t r = 0; r < rows; ++r) {
+    float pad[W] = {}, e[W];
+    for (int j = 0; j < rest; ++j) pad[j] = to_float(x[r * inner + c + j]) - centre[c + j];
+    V::store(e, V::exp(V::load(pad)));
+    for (int j = 0; j < rest; ++j) acc[c + j] += e[j];
+  }
+}
+
 }  // namespace jaxops::cpu

@@ -157,9 +157,9 @@ void columns_fold(const T* x, int64_t reduced, int64_t inner, float* out) {
   std::copy(total.begin(), total.end(), out);
 }
 
-// Column logsumexp: the columns' max (pairwise, as max_cols), then the sum of exp(x - max) a
-// row at a time (exp_shifted over the row), leaves of kLeaf rows folded by PairwiseFold (no
-// recursion: all of it inlines into the AVX2 clone), then max + log(sum).
+// Column logsumexp: the columns' max (pairwise, as max_cols), then the sums of exp(x - max),
+// leaves of kLeaf rows (float states: cpu::column_exp_sums, register tiles) folded by
+// PairwiseFold (no recursion: all of it inlines into the AVX2 clone), then max + log(sum).
 template <int W, class T>
 void columns_logsumexp(const T* x, int64_t reduced, int64_t inner, acc_t<T>* out) {
   using A = acc_t<T>;
@@ -172,11 +172,16 @@ void columns_logsumexp(const T* x, int64_t reduced, int64_t inner, acc_t<T>* out
   PairwiseFold<std::vector<A>, decltype(add)> fold(add);
   for (int64_t r0 = 0; r0 < reduced; r0 += kLeaf) {
     std::vector<A> leaf(inner, A(0));
-    for (int64_t r = r0; r < std::min(reduced, r0 + kLeaf); ++r) {
-      cpu::widen(x + r * inner, row.data(), inner);
-      for (int64_t c = 0; c < inner; ++c) row[c] -= mx[c];
-      cpu::exp_shifted<W>(row.data(), A(0), row.data(), inner);
-      for (int64_t c = 0; c < inner; ++c) leaf[c] += row[c];
+    const int64_t rows = std::min(reduced, r0 + kLeaf) - r0;
+    if constexpr (std::is_same_v<A, float>) {
+      cpu::column_exp_sums<W>(x + r0 * inner, rows, inner, mx.data(), leaf.data());
+    } else {
+      for (int64_t r = r0; r < r0 + rows; ++r) {
+        cpu::widen(x + r * inner, row.data(), inner);
+        for (int64_t c = 0; c < inner; ++c) row[c] -= mx[c];
+        cpu::exp_shifted<W>(row.data(), A(0), row.data(), inner);
+        for (int64_t c = 0; c < inner; ++c) leaf[c] += row[c];
+      }
     }
     fold.push(std::move(leaf));
   }
