@@ -137,7 +137,7 @@ inline A block_exp_sum(const A* in, A sub, int64_t m) {
     float tail[kLanes] = {};
     const int rest = static_cast<int>(m - i);
     for (int j = 0; j < rest; ++j) tail[j] = in[i + j];
-    for (int k = 0; k < kLanes / W; ++k) {
+    for (int k = 0; k * W < rest; ++k) {
       const typename V::F e = V::exp(V::load(tail + k * W) - sub);
       float ev[W];
       V::store(ev, e);

@@ -39,12 +39,15 @@ void forward_rows(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols
     A* out = e.data();
     if constexpr (kInPlace) out = y + r * cols;
     // exp(-inf - m) = 0 for masked entries when m is finite; the row is NaN anyway otherwise.
-    cpu::exp_shifted<W>(xv, m, out, cols);
-    const A s = static_cast<A>(cpu::lane_sum<W>(out, cols));
-    if (log) {
-      const A log_s = std::log(s);
+    if (log) {  // only the sum of the exps: block_exp_sum gives lane_sum's bits without storing them
+      double total = 0;
+      for (int64_t b = 0; b < cols; b += cpu::kSumBlock)
+        total += static_cast<double>(cpu::block_exp_sum<W>(xv + b, m, std::min(cpu::kSumBlock, cols - b)));
+      const A log_s = std::log(static_cast<A>(total));
       for (int64_t c = 0; c < cols; ++c) out[c] = (xv[c] - m) - log_s;
     } else {
+      cpu::exp_shifted<W>(xv, m, out, cols);
+      const A s = static_cast<A>(cpu::lane_sum<W>(out, cols));
       for (int64_t c = 0; c < cols; ++c) out[c] = out[c] / s;
     }
     if (mr) cpu::fill_unkept(mr, out, log ? neg_inf : A(0), cols);
