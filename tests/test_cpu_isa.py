@@ -125,6 +125,26 @@ def test_argmax_rows(cols, dtype):
         np.testing.assert_array_equal(np.asarray(base), ref(a, axis=-1))
 
 
+@pytest.mark.parametrize("rows", [1, 64, 150])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_columns(rows, dtype):
+    # Columns: register tiles of values and row indices (cpu_columns.h's arg_tile), leaves of 64
+    # rows merged pairwise. 203 columns give tiles of 4 vectors, single vectors and scalar columns
+    # on both paths. Integer values, so every column has ties; column 1 a NaN late, column 2 a NaN
+    # in the middle and at the end (the first NaN is the answer), column 3 -inf then +inf last,
+    # column 4 -0 then +0, column 200 (a scalar column for W = 8) a NaN last.
+    x = jnp.round(normal(jax.random.key(rows), (rows, 203), jnp.float32, scale=2.0))
+    x = x.at[rows - 1, 1].set(jnp.nan).at[rows // 2, 2].set(jnp.nan).at[rows - 1, 2].set(jnp.nan)
+    x = x.at[:, 3].set(-jnp.inf).at[rows - 1, 3].set(jnp.inf)
+    x = x.at[:, 4].set(0.0).at[: rows // 2, 4].set(-0.0).at[rows - 1, 200].set(jnp.nan)
+    x = x.astype(dtype)
+    a = np.asarray(x.astype(jnp.float32))
+    for op, ref in ((jaxops.argmax, np.argmax), (jaxops.argmin, np.argmin)):
+        out, base = both_paths(jax.jit(lambda v: op(v, axis=0)), x)
+        np.testing.assert_array_equal(np.asarray(out), ref(a, axis=0))
+        np.testing.assert_array_equal(np.asarray(base), ref(a, axis=0))
+
+
 @pytest.mark.parametrize("cols", [1, 7, 33, 1025])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rms", [False, True])

@@ -5,6 +5,7 @@
 // stored its accumulators for every row: ~1 cycle an element (session 54).
 #pragma once
 #include <cstdint>
+#include <cstring>
 
 #include "common/cpu_rows.h"
 #include "common/cpu_sums.h"
@@ -103,6 +104,47 @@ inline void column_exp_sums(const T* x, int64_t rows, int64_t inner, const float
     V::store(e, V::exp(V::load(pad)));
     for (int j = 0; j < rest; ++j) acc[c + j] += e[j];
   }
+}
+
+// argmax (kMax) / argmin of columns [0, NV * W) over rows [0, rows), in order: best[c] and idx[c]
+// (row index base + r) are replaced where the element beats best[c] or is the first NaN
+// (ArgOp::add's rule: ties keep the earlier row, a NaN best is final).
+template <int W, int NV, bool kMax, class T>
+inline void arg_tile(const T* x, int64_t base, int64_t rows, int64_t inner, float* best, int32_t* idx) {
+  using V = Vec<W>;
+  typename V::F b[NV];
+  typename V::I ix[NV];
+  for (int k = 0; k < NV; ++k) {
+    b[k] = V::load(best + k * W);
+    std::memcpy(&ix[k], idx + k * W, sizeof ix[k]);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const typename V::I at = typename V::I{} + static_cast<int32_t>(base + r);
+    for (int k = 0; k < NV; ++k) {
+      const typename V::F v = load_floats<W>(x + r * inner + k * W);
+      const typename V::I take = (b[k] == b[k]) & ~(kMax ? v <= b[k] : v >= b[k]);
+      b[k] = V::select(take, v, b[k]);
+      ix[k] = (take & at) | (~take & ix[k]);
+    }
+  }
+  for (int k = 0; k < NV; ++k) {
+    V::store(best + k * W, b[k]);
+    std::memcpy(idx + k * W, &ix[k], sizeof ix[k]);
+  }
+}
+
+// arg_tile over all `inner` columns: tiles of 4 vectors, then single vectors, then scalars.
+template <int W, bool kMax, class T>
+inline void column_arg_leaf(const T* x, int64_t base, int64_t rows, int64_t inner, float* best, int32_t* idx) {
+  constexpr int kTile = 4;
+  int64_t c = 0;
+  for (; c + kTile * W <= inner; c += kTile * W) arg_tile<W, kTile, kMax>(x + c, base, rows, inner, best + c, idx + c);
+  for (; c + W <= inner; c += W) arg_tile<W, 1, kMax>(x + c, base, rows, inner, best + c, idx + c);
+  for (; c < inner; ++c)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float v = to_float(x[r * inner + c]);
+      if (best[c] == best[c] && !(kMax ? v <= best[c] : v >= best[c])) best[c] = v, idx[c] = static_cast<int32_t>(base + r);
+    }
 }
 
 }  // namespace jaxops::cpu

@@ -57,9 +57,12 @@ template <class Op, class A = typename Op::State>
 constexpr bool kExtremumOp = std::is_same_v<Op, ExtremumOp<A, true>> || std::is_same_v<Op, ExtremumOp<A, false>>;
 template <class Op, class A = typename Op::State>
 constexpr bool kSumOp = std::is_same_v<Op, SumOp<A, true>> || std::is_same_v<Op, SumOp<A, false>>;
-// Column reductions whose states are plain floats run through column_leaf (cpu_columns.h).
 template <class Op>
-constexpr bool kFloatColumns = std::is_same_v<typename Op::State, float> && (kSumOp<Op> || kExtremumOp<Op>);
+constexpr bool kArgOp = std::is_same_v<Op, ArgOp<float, true>> || std::is_same_v<Op, ArgOp<float, false>>;
+// Column reductions of float data run through register tiles (cpu_columns.h).
+template <class Op>
+constexpr bool kFloatColumns = (std::is_same_v<typename Op::State, float> && (kSumOp<Op> || kExtremumOp<Op>)) ||
+                               kArgOp<Op>;
 
 // Sum, mean, max, min and logsumexp of one contiguous row, a kSumBlock-element block at a time
 // (cpu_sums.h), the blocks folded pairwise. logsumexp takes two passes over a block (its max, then
@@ -97,11 +100,17 @@ typename Op::State row_blocks(const T* x, int64_t n) {
 // block at a time), then the first index holding it (first_index_of): jnp.argmax's answer (the
 // first NaN, else the lowest index among ties, -0 and +0 equal) in two vectorized passes instead
 // of a compare-and-branch an element (session 52's twin: 3 ns an element, 1.3x XLA's time).
-// 16-bit rows are widened for the second pass only.
+// 16-bit rows are widened for the second pass only, or once when they are one block long.
 template <int W, bool kMax, class T>
 int32_t row_arg(const T* x, int64_t n) {
   using A = acc_t<T>;
   A scratch[std::is_same_v<T, A> ? 1 : cpu::kSumBlock];
+  if constexpr (!std::is_same_v<T, A>) {
+    if (n <= cpu::kSumBlock) {  // one block: widened once for both passes
+      cpu::widen(x, scratch, n);
+      return row_arg<W, kMax>(static_cast<const A*>(scratch), n);
+    }
+  }
   A m = kMax ? -std::numeric_limits<A>::infinity() : std::numeric_limits<A>::infinity();
   for (int64_t b = 0; b < n; b += cpu::kSumBlock) {
     const A bm = cpu::lane_extremum<W, kMax>(x + b, std::min(cpu::kSumBlock, n - b));
@@ -124,9 +133,11 @@ template <class Op, class T>
 void columns_pairwise(const T* x, int64_t lo, int64_t hi, int64_t inner, typename Op::State* acc, acc_t<T>* row) {
   if (hi - lo <= kLeaf) {
     for (int64_t r = lo; r < hi; ++r) {
-      cpu::widen(x + r * inner, row, inner);
-      if constexpr (kExtremumOp<Op>) cpu::extremum_into<Op::kIsMax>(acc, row, inner);
-      else for (int64_t c = 0; c < inner; ++c) Op::add(acc[c], row[c], r);
+      const acc_t<T>* rv = row;  // float / double rows in place
+      if constexpr (std::is_same_v<T, acc_t<T>>) rv = x + r * inner;
+      else cpu::widen(x + r * inner, row, inner);
+      if constexpr (kExtremumOp<Op>) cpu::extremum_into<Op::kIsMax>(acc, rv, inner);
+      else for (int64_t c = 0; c < inner; ++c) Op::add(acc[c], rv[c], r);
     }
     return;
   }
@@ -141,16 +152,27 @@ void columns_pairwise(const T* x, int64_t lo, int64_t hi, int64_t inner, typenam
 // (column_leaf), the leaves folded pairwise by PairwiseFold; no recursion, so all of it inlines
 // into the AVX2 clone.
 template <int W, class Op, class T>
-void columns_fold(const T* x, int64_t reduced, int64_t inner, float* out) {
-  using S = std::vector<float>;
+void columns_fold(const T* x, int64_t reduced, int64_t inner, typename Op::State* out) {
+  using S = std::vector<typename Op::State>;
   const auto merge = [inner](const S& left, S& right) {
     for (int64_t c = 0; c < inner; ++c) right[c] = Op::merge(left[c], right[c]);
   };
   PairwiseFold<S, decltype(merge)> fold(merge);
+  std::vector<float> best(kArgOp<Op> ? inner : 0);
+  std::vector<int32_t> idx(kArgOp<Op> ? inner : 0);
   for (int64_t r0 = 0; r0 < reduced; r0 += kLeaf) {
     S leaf(inner, Op::identity());
-    if constexpr (kSumOp<Op>) cpu::column_leaf<W, true, true>(x + r0 * inner, std::min(kLeaf, reduced - r0), inner, leaf.data());
-    else cpu::column_leaf<W, false, Op::kIsMax>(x + r0 * inner, std::min(kLeaf, reduced - r0), inner, leaf.data());
+    const int64_t rows = std::min(kLeaf, reduced - r0);
+    if constexpr (kArgOp<Op>) {  // values and indices apart, so the tiles hold them in vectors
+      std::fill(best.begin(), best.end(), Op::identity().v);
+      std::fill(idx.begin(), idx.end(), Op::identity().i);
+      cpu::column_arg_leaf<W, Op::kIsMax>(x + r0 * inner, r0, rows, inner, best.data(), idx.data());
+      for (int64_t c = 0; c < inner; ++c) leaf[c] = {best[c], idx[c]};
+    } else if constexpr (kSumOp<Op>) {
+      cpu::column_leaf<W, true, true>(x + r0 * inner, rows, inner, leaf.data());
+    } else {
+      cpu::column_leaf<W, false, Op::kIsMax>(x + r0 * inner, rows, inner, leaf.data());
+    }
     fold.push(std::move(leaf));
   }
   const S total = fold.result(S(inner, Op::identity()));
