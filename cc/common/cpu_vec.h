@@ -24,10 +24,10 @@ typedef double vd2 __attribute__((vector_size(16)));
 typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef double vd4 __attribute__((vector_size(32)));
-template <int W> struct VecTypes;  // (GCC drops vector_size on a typedef whose size is dependent)
 typedef float vf2 __attribute__((vector_size(8)));
 typedef uint16_t vu4 __attribute__((vector_size(8)));
 typedef uint16_t vu8 __attribute__((vector_size(16)));
+template <int W> struct VecTypes;  // (GCC drops vector_size on a typedef whose size is dependent)
 template <> struct VecTypes<4> {
   using F = vf4;
   using H = vf2;
