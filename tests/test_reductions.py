@@ -623,6 +623,7 @@ def test_ffi_handler_validates_again():
                                            jnp.ones(x_shape, jnp.float32), op=0, splits=1))
 
 
+@pytest.mark.skipif(ON_GPU, reason="XLA:CPU's layout assignment (the GPU's HLO has its own fusions)")
 def test_rows_reach_the_handler_without_a_copy():
     """Row reductions pass a rank-2 view; an (outer, n, 1) one made XLA:CPU copy bfloat16 inputs."""
     for dtype in (jnp.float32, jnp.bfloat16):
