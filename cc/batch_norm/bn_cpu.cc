@@ -99,16 +99,9 @@ void apply(const View& v, const T* x, const acc_t<T>* scale, const acc_t<T>* bia
     for (int64_t r = 0; r < R; ++r) {
       const int64_t i0 = g * L + r * C;
       // float / double rows are read and written in place; 16-bit ones through z (and rr).
-      const A* xr = z.data();
-      const A* rv = rr.data();
-      A* out = z.data();
-      if constexpr (kInPlace) {
-        xr = x + i0, out = y + i0;
-        if (res) rv = res + i0;
-      } else {
-        cpu::widen(x + i0, z.data(), C);
-        if (res) cpu::widen(res + i0, rr.data(), C);
-      }
+      const A* xr = cpu::acc_row(x + i0, z.data(), C);
+      const A* rv = res ? cpu::acc_row(res + i0, rr.data(), C) : nullptr;
+      A* out = cpu::acc_out(y + i0, z.data());
       for (int64_t c = 0; c < C; ++c) {
         A t = (xr[c] - shift[c]) * ka[c] + kb[c];
         if (res) t += rv[c];
@@ -119,7 +112,7 @@ void apply(const View& v, const T* x, const acc_t<T>* scale, const acc_t<T>* bia
         out[c] = t;
       }
       if (relu && mg) cpu::pack_bits(pos.data(), C, mg, r * C);
-      if constexpr (!kInPlace) cpu::narrow(z.data(), y + i0, C);
+      cpu::narrow_row(z.data(), y + i0, C);
     }
   }
 }
@@ -145,14 +138,8 @@ void backward_reduce(const View& v, const T* dy, const T* x, const uint32_t* mas
       std::fill(pq.begin(), pq.end(), A(0));
       for (int64_t r = r0; r < std::min(R, r0 + kStatsRun); ++r) {
         const int64_t i0 = g * L + r * C;
-        const A* gv = gw.data();
-        const A* xv = xw.data();
-        if constexpr (kInPlace) {
-          gv = dy + i0, xv = x + i0;
-        } else {
-          cpu::widen(dy + i0, gw.data(), C);
-          cpu::widen(x + i0, xw.data(), C);
-        }
+        const A* gv = cpu::acc_row(dy + i0, gw.data(), C);
+        const A* xv = cpu::acc_row(x + i0, xw.data(), C);
         if (mg) cpu::unpack_bits(mg, r * C, C, pass.data());
         // Masked-out elements take no part at all (a NaN dy or an inf x there adds nothing).
         for (int64_t c = 0; c < C; ++c) {
@@ -192,19 +179,13 @@ void backward_dx(const View& v, const T* dy, const T* x, const uint32_t* mask, c
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i0 = g * L + r * C;
       // float / double rows are read and written in place; 16-bit ones through gw and xw.
-      const A* gv = gw.data();
-      const A* xv = xw.data();
-      A* out = xw.data();
-      if constexpr (kInPlace) {
-        gv = dy + i0, xv = x + i0, out = dx + i0;
-      } else {
-        cpu::widen(dy + i0, gw.data(), C);
-        cpu::widen(x + i0, xw.data(), C);
-      }
+      const A* gv = cpu::acc_row(dy + i0, gw.data(), C);
+      const A* xv = cpu::acc_row(x + i0, xw.data(), C);
+      A* out = cpu::acc_out(dx + i0, xw.data());
       if (mg) cpu::unpack_bits(mg, r * C, C, pass.data());
       for (int64_t c = 0; c < C; ++c)  // a masked NaN dy gives 0
         out[c] = ka[c] * cpu::keep_if(gv[c], pass[c] != 0) + kb[c] * (xv[c] - shift[c]) + kc[c];
-      if constexpr (!kInPlace) cpu::narrow(xw.data(), dx + i0, C);
+      cpu::narrow_row(xw.data(), dx + i0, C);
       if (dres) {  // dy' itself: dy's bits where the mask passes, else +0
         const R* d = reinterpret_cast<const R*>(dy + i0);
         R* o = reinterpret_cast<R*>(dres + i0);

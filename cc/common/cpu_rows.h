@@ -23,6 +23,30 @@ inline void narrow(const A* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(src[i]);
 }
 
+// Row src in the accumulation type: src itself for float / double rows (no copy), else widened
+// into scratch (n values).
+template <class T, class A>
+inline const A* acc_row(const T* src, A* scratch, int64_t n) {
+  if constexpr (std::is_same_v<T, A>) {
+    return src;
+  } else {
+    widen(src, scratch, n);
+    return scratch;
+  }
+}
+
+// Where an output row is computed: dst itself for float / double rows, else scratch, which
+// narrow_row then stores.
+template <class T, class A>
+inline A* acc_out(T* dst, A* scratch) {
+  if constexpr (std::is_same_v<T, A>) return dst;
+  else return scratch;
+}
+template <class T, class A>
+inline void narrow_row(const A* scratch, T* dst, int64_t n) {
+  if constexpr (!std::is_same_v<T, A>) narrow(scratch, dst, n);
+}
+
 // W consecutive storage values as a vector of floats, for loops that read rows in place: float
 // as it is, bfloat16 by widening its bits and shifting them up, float16 a lane at a time.
 template <int W, class T>

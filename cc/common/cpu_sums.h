@@ -152,6 +152,16 @@ inline A block_exp_sum(const A* in, A sub, int64_t m) {
   return tree_sum<kLanes>(lane);
 }
 
+// Sum of exp(v[i] - sub) over [0, n): block_exp_sum of each 1024 elements, the blocks added in
+// double; the bits of lane_sum over exp_shifted's output, without storing the exps.
+template <int W, class A>
+inline double lane_exp_sum(const A* v, A sub, int64_t n) {
+  double total = 0;
+  for (int64_t b = 0; b < n; b += kSumBlock)
+    total += static_cast<double>(block_exp_sum<W>(v + b, sub, n - b < kSumBlock ? n - b : kSumBlock));
+  return total;
+}
+
 // Sum over [0, n) of t = (v[i] - shift) - mean, computed in A (for layer_norm: x - x[0] is exact,
 // see layer_norm_cpu.cc), or with kSquares of t^2, for the normalizations' statistics: float32
 // lanes were not accurate enough there (tests/test_fuzz.py), so the total is a double sum, 16

@@ -37,9 +37,7 @@ void forward_rows(const ForwardArgs& a) {
       if (bias) cpu::widen(bias + g * n, bi.data(), n);
     }
     // float / double rows are read and written in place; 16-bit ones through the scratch row.
-    const A* xv = v.data();
-    if constexpr (std::is_same_v<T, A>) xv = x + r * n;
-    else cpu::widen(x + r * n, v.data(), n);
+    const A* xv = cpu::acc_row(x + r * n, v.data(), n);
     // Two passes (mean, then squared deviations) keep the variance exact for data far from 0.
     // Values are centred as (x - shift) - mean_rel with shift = x[0], as the CUDA kernels do:
     // x - shift is exact, while a float32 mean of ~1e4 would itself round to 1e-3. The sums run
@@ -49,13 +47,12 @@ void forward_rows(const ForwardArgs& a) {
     const A mean_rel = s.rms ? A(0) : static_cast<A>(cpu::dsum<W>(xv, n, shift) / static_cast<double>(n));
     const double sq = cpu::dsum<W, true>(xv, n, shift, mean_rel);
     const A rstd = A(1) / std::sqrt(static_cast<A>(sq / static_cast<double>(n)) + static_cast<A>(s.epsilon));
-    A* out = v.data();
-    if constexpr (std::is_same_v<T, A>) out = y + r * n;
+    A* out = cpu::acc_out(y + r * n, v.data());
     if (bias)
       for (int64_t c = 0; c < n; ++c) out[c] = ((xv[c] - shift) - mean_rel) * rstd * sc[c] + bi[c];
     else
       for (int64_t c = 0; c < n; ++c) out[c] = ((xv[c] - shift) - mean_rel) * rstd * sc[c];
-    if constexpr (!std::is_same_v<T, A>) cpu::narrow(v.data(), y + r * n, n);
+    cpu::narrow_row(v.data(), y + r * n, n);
     if (mean_out) mean_out[r] = shift + mean_rel;
     rstd_out[r] = rstd;
   }
@@ -93,15 +90,8 @@ void backward_rows(const BackwardArgs& a) {
     const int64_t first = g * s.rows_per_group, last = first + s.rows_per_group;
     for (int64_t r = first; r < last; ++r) {
       const A mean = mean_in ? mean_in[r] : A(0), rstd = rstd_in[r];
-      const A* xr = xw.data();
-      const A* dr = dw.data();
-      if constexpr (kInPlace) {
-        xr = x + r * n;
-        dr = dy + r * n;
-      } else {
-        cpu::widen(x + r * n, xw.data(), n);
-        cpu::widen(dy + r * n, dw.data(), n);
-      }
+      const A* xr = cpu::acc_row(x + r * n, xw.data(), n);
+      const A* dr = cpu::acc_row(dy + r * n, dw.data(), n);
       // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * scale (no mean(g) for rms).
       for (int64_t c = 0; c < n; ++c) {
         const A xhat = (xr[c] - mean) * rstd;
@@ -113,10 +103,9 @@ void backward_rows(const BackwardArgs& a) {
       if ((r - first + 1) % kColumnRun == 0) flush();
       const double sum_g = s.rms ? 0.0 : cpu::dsum<W>(gv.data(), n), sum_gx = cpu::dsum<W>(t.data(), n);
       const A mg = static_cast<A>(sum_g / static_cast<double>(n)), mgx = static_cast<A>(sum_gx / static_cast<double>(n));
-      A* out = t.data();
-      if constexpr (kInPlace) out = dx + r * n;
+      A* out = cpu::acc_out(dx + r * n, t.data());
       for (int64_t c = 0; c < n; ++c) out[c] = rstd * (gv[c] - mg - ((xr[c] - mean) * rstd) * mgx);
-      if constexpr (!kInPlace) cpu::narrow(t.data(), dx + r * n, n);
+      cpu::narrow_row(t.data(), dx + r * n, n);
     }
     flush();
     for (int64_t c = 0; c < n; ++c) t[c] = static_cast<A>(dscale[c]);

@@ -47,14 +47,15 @@ inline ffi::Error check_reduce(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
   if (r < 2) return invalid_argument(name, "expected an (outer, reduced) or (outer, reduced, inner) view");
   for (size_t i = 0; i < r; ++i)
     if (xd[i] < 0) return invalid_argument(name, "negative dimension");
-  // Rank 2 is (outer, reduced) with inner = 1 (rows): jaxops/_reductions.py passes rows so,
-  // because XLA:CPU copied a bfloat16 (outer, reduced, 1) operand into a new layout first.
-  const bool rows = r == 2;
-  v->outer = dims_product(xd, 0, rows ? 1 : r - 2);
-  v->reduced = xd[rows ? 1 : r - 2];
-  v->inner = rows ? 1 : xd[r - 1];
-  bool shape_ok = rows ? yd.size() == 1 && yd[0] == xd[0] : yd.size() == r - 1 && yd[r - 2] == v->inner;
-  for (size_t i = 0; shape_ok && !rows && i + 2 < r; ++i) shape_ok = yd[i] == xd[i];
+  // The reduced axis: the last of a rank-2 (outer, reduced) view of rows (jaxops/_reductions.py
+  // passes rows so, because XLA:CPU copied a bfloat16 (outer, reduced, 1) operand into a new
+  // layout first), else the second to last. y is x's shape without it.
+  const size_t red = r == 2 ? 1 : r - 2;
+  v->outer = dims_product(xd, 0, red);
+  v->reduced = xd[red];
+  v->inner = dims_product(xd, red + 1, r);
+  bool shape_ok = yd.size() == r - 1;
+  for (size_t i = 0; shape_ok && i + 1 < r; ++i) shape_ok = yd[i] == xd[i < red ? i : i + 1];
   if (!shape_ok) return invalid_argument(name, "output shape must be x's shape without the reduced axis");
   const bool arg = is_arg(v->kind);
   if (arg ? y.element_type() != ffi::DataType::S32 : y.element_type() != x.element_type())

@@ -78,9 +78,7 @@ typename Op::State row_blocks(const T* x, int64_t n) {
     const int64_t m = std::min(cpu::kSumBlock, n - b);
     if constexpr (std::is_same_v<Op, LogSumExpOp<A>>) {
       // Two passes over the block: float / double rows in place, 16-bit ones widened once.
-      const A* buf = scratch;
-      if constexpr (std::is_same_v<T, A>) buf = x + b;
-      else cpu::widen(x + b, scratch, m);
+      const A* buf = cpu::acc_row(x + b, scratch, m);
       const A mx = cpu::lane_extremum<W, true>(buf, m);
       if (!std::isfinite(mx)) {  // NaN, +inf or all -inf: the answer itself (see LogSumExpOp)
         fold.push({mx, A(0)});
@@ -118,9 +116,7 @@ int32_t row_arg(const T* x, int64_t n) {
   }
   for (int64_t b = 0; b < n; b += cpu::kSumBlock) {
     const int64_t len = std::min(cpu::kSumBlock, n - b);
-    const A* buf = scratch;
-    if constexpr (std::is_same_v<T, A>) buf = x + b;
-    else cpu::widen(x + b, scratch, len);
+    const A* buf = cpu::acc_row(x + b, scratch, len);
     const int64_t i = cpu::first_index_of<W>(buf, len, m);
     if (i < len) return static_cast<int32_t>(b + i);
   }
@@ -133,9 +129,7 @@ template <class Op, class T>
 void columns_pairwise(const T* x, int64_t lo, int64_t hi, int64_t inner, typename Op::State* acc, acc_t<T>* row) {
   if (hi - lo <= kLeaf) {
     for (int64_t r = lo; r < hi; ++r) {
-      const acc_t<T>* rv = row;  // float / double rows in place
-      if constexpr (std::is_same_v<T, acc_t<T>>) rv = x + r * inner;
-      else cpu::widen(x + r * inner, row, inner);
+      const acc_t<T>* rv = cpu::acc_row(x + r * inner, row, inner);  // float / double rows in place
       if constexpr (kExtremumOp<Op>) cpu::extremum_into<Op::kIsMax>(acc, rv, inner);
       else for (int64_t c = 0; c < inner; ++c) Op::add(acc[c], rv[c], r);
     }

@@ -36,14 +36,10 @@ void forward_rows(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols
     }
     if (mr) cpu::fill_unkept(mr, v.data(), neg_inf, cols);
     const A m = cpu::lane_extremum<W, true>(xv, cols);
-    A* out = e.data();
-    if constexpr (kInPlace) out = y + r * cols;
+    A* out = cpu::acc_out(y + r * cols, e.data());
     // exp(-inf - m) = 0 for masked entries when m is finite; the row is NaN anyway otherwise.
-    if (log) {  // only the sum of the exps: block_exp_sum gives lane_sum's bits without storing them
-      double total = 0;
-      for (int64_t b = 0; b < cols; b += cpu::kSumBlock)
-        total += static_cast<double>(cpu::block_exp_sum<W>(xv + b, m, std::min(cpu::kSumBlock, cols - b)));
-      const A log_s = std::log(static_cast<A>(total));
+    if (log) {  // only the sum of the exps: lane_exp_sum, without storing them
+      const A log_s = std::log(static_cast<A>(cpu::lane_exp_sum<W>(xv, m, cols)));
       for (int64_t c = 0; c < cols; ++c) out[c] = (xv[c] - m) - log_s;
     } else {
       cpu::exp_shifted<W>(xv, m, out, cols);
@@ -51,7 +47,7 @@ void forward_rows(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols
       for (int64_t c = 0; c < cols; ++c) out[c] = out[c] / s;
     }
     if (mr) cpu::fill_unkept(mr, out, log ? neg_inf : A(0), cols);
-    if constexpr (!kInPlace) cpu::narrow(e.data(), y + r * cols, cols);
+    cpu::narrow_row(e.data(), y + r * cols, cols);
   }
 }
 
@@ -63,15 +59,9 @@ void backward_rows(const T* y, const T* dy, const bool* mask, T* dx, int64_t row
   std::vector<A> yv(kInPlace ? 0 : cols), g(kInPlace ? 0 : cols), t(kInPlace ? 0 : cols);
   for (int64_t r = 0; r < rows; ++r) {
     const bool* mr = mask ? mask + r * cols : nullptr;
-    const A* ys = yv.data();
-    const A* gs = g.data();
-    A* out = t.data();
-    if constexpr (kInPlace) {
-      ys = y + r * cols, gs = dy + r * cols, out = dx + r * cols;
-    } else {
-      cpu::widen(y + r * cols, yv.data(), cols);
-      cpu::widen(dy + r * cols, g.data(), cols);
-    }
+    const A* ys = cpu::acc_row(y + r * cols, yv.data(), cols);
+    const A* gs = cpu::acc_row(dy + r * cols, g.data(), cols);
+    A* out = cpu::acc_out(dx + r * cols, t.data());
     // Masked entries take no part in the sum (as in jax.nn) and get no gradient, even in NaN rows.
     const auto masked_sum = [&](A* terms) {
       if (mr) cpu::fill_unkept(mr, terms, A(0), cols);
@@ -88,7 +78,7 @@ void backward_rows(const T* y, const T* dy, const bool* mask, T* dx, int64_t row
       for (int64_t c = 0; c < cols; ++c) out[c] = ys[c] * (gs[c] - s);
     }
     if (mr) cpu::fill_unkept(mr, out, A(0), cols);
-    if constexpr (!kInPlace) cpu::narrow(t.data(), dx + r * cols, cols);
+    cpu::narrow_row(t.data(), dx + r * cols, cols);
   }
 }
 
