@@ -6,12 +6,24 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "common/cpu_rows.h"
 #include "common/cpu_sums.h"
 #include "common/cpu_vec.h"
 
 namespace jaxops::cpu {
+
+// The drivers' common walk over columns: tile(c, nv) for tiles of kTile vectors of W columns, then
+// of single vectors (nv a std::integral_constant<int, NV>, so the tile is a template argument).
+// Returns the first column not covered (fewer than W are left).
+template <int W, int kTile, class Tile>
+inline int64_t column_tiles(int64_t inner, Tile&& tile) {
+  int64_t c = 0;
+  for (; c + kTile * W <= inner; c += kTile * W) tile(c, std::integral_constant<int, kTile>{});
+  for (; c + W <= inner; c += W) tile(c, std::integral_constant<int, 1>{});
+  return c;
+}
 
 // acc[c] for c in [0, NV * W) = acc[c] then x[r * inner + c] for r in [0, rows) in order, summed
 // (kSum) or their max (kMax) / min propagating NaN like jnp.max.
@@ -32,10 +44,9 @@ inline void column_tile(const T* x, int64_t rows, int64_t inner, float* acc) {
 // column_tile over all `inner` columns: tiles of 8 vectors, then single vectors, then scalars.
 template <int W, bool kSum, bool kMax, class T>
 inline void column_leaf(const T* x, int64_t rows, int64_t inner, float* acc) {
-  constexpr int kTile = 8;
-  int64_t c = 0;
-  for (; c + kTile * W <= inner; c += kTile * W) column_tile<W, kTile, kSum, kMax>(x + c, rows, inner, acc + c);
-  for (; c + W <= inner; c += W) column_tile<W, 1, kSum, kMax>(x + c, rows, inner, acc + c);
+  int64_t c = column_tiles<W, 8>(inner, [&](int64_t at, auto nv) {
+    column_tile<W, decltype(nv)::value, kSum, kMax>(x + at, rows, inner, acc + at);
+  });
   for (; c < inner; ++c)
     for (int64_t r = 0; r < rows; ++r) {
       const float v = to_float(x[r * inner + c]);
@@ -63,10 +74,9 @@ inline void centred_tile(const T* x, int64_t rows, int64_t inner, const float* c
 // centred_tile over all `inner` columns: tiles of 4 vectors, then single vectors, then scalars.
 template <int W, class T>
 inline void centred_sums(const T* x, int64_t rows, int64_t inner, const float* centre, float* sum_d, float* sum_d2) {
-  constexpr int kTile = 4;
-  int64_t c = 0;
-  for (; c + kTile * W <= inner; c += kTile * W) centred_tile<W, kTile>(x + c, rows, inner, centre + c, sum_d + c, sum_d2 + c);
-  for (; c + W <= inner; c += W) centred_tile<W, 1>(x + c, rows, inner, centre + c, sum_d + c, sum_d2 + c);
+  int64_t c = column_tiles<W, 4>(inner, [&](int64_t at, auto nv) {
+    centred_tile<W, decltype(nv)::value>(x + at, rows, inner, centre + at, sum_d + at, sum_d2 + at);
+  });
   for (; c < inner; ++c)
     for (int64_t r = 0; r < rows; ++r) {
       const float d = to_float(x[r * inner + c]) - centre[c];
@@ -92,10 +102,9 @@ inline void exp_tile(const T* x, int64_t rows, int64_t inner, const float* centr
 template <int W, class T>
 inline void column_exp_sums(const T* x, int64_t rows, int64_t inner, const float* centre, float* acc) {
   using V = Vec<W>;
-  constexpr int kTile = 2;
-  int64_t c = 0;
-  for (; c + kTile * W <= inner; c += kTile * W) exp_tile<W, kTile>(x + c, rows, inner, centre + c, acc + c);
-  for (; c + W <= inner; c += W) exp_tile<W, 1>(x + c, rows, inner, centre + c, acc + c);
+  const int64_t c = column_tiles<W, 2>(inner, [&](int64_t at, auto nv) {
+    exp_tile<W, decltype(nv)::value>(x + at, rows, inner, centre + at, acc + at);
+  });
   const int rest = static_cast<int>(inner - c);
   if (rest == 0) return;
   for (int64_t r = 0; r < rows; ++r) {
@@ -136,10 +145,9 @@ inline void arg_tile(const T* x, int64_t base, int64_t rows, int64_t inner, floa
 // arg_tile over all `inner` columns: tiles of 4 vectors, then single vectors, then scalars.
 template <int W, bool kMax, class T>
 inline void column_arg_leaf(const T* x, int64_t base, int64_t rows, int64_t inner, float* best, int32_t* idx) {
-  constexpr int kTile = 4;
-  int64_t c = 0;
-  for (; c + kTile * W <= inner; c += kTile * W) arg_tile<W, kTile, kMax>(x + c, base, rows, inner, best + c, idx + c);
-  for (; c + W <= inner; c += W) arg_tile<W, 1, kMax>(x + c, base, rows, inner, best + c, idx + c);
+  int64_t c = column_tiles<W, 4>(inner, [&](int64_t at, auto nv) {
+    arg_tile<W, decltype(nv)::value, kMax>(x + at, base, rows, inner, best + at, idx + at);
+  });
   for (; c < inner; ++c)
     for (int64_t r = 0; r < rows; ++r) {
       const float v = to_float(x[r * inner + c]);
