@@ -33,7 +33,7 @@ template <> struct Raw<f16> {
 // a where `take`, else b (bits), for the vectorizer.
 template <class A>
 inline A select_bits(bool take, A a, A b) {
-  using I = std::conditional_t<sizeof(A) == 4, uint32_t, uint64_t>;
+  using I = std::conditional_t<sizeof(A) == 2, uint16_t, std::conditional_t<sizeof(A) == 4, uint32_t, uint64_t>>;
   I ia, ib;
   std::memcpy(&ia, &a, sizeof ia);
   std::memcpy(&ib, &b, sizeof ib);

@@ -38,25 +38,33 @@ template <bool kMax, class A>
 inline bool beats(A x, A run) {
   return (kMax ? x > run : x < run) | (x != x);
 }
+// Sum of the m <= kSumBlock terms t(i), i in [0, m), in the lanes and order above: vec_at(i) gives
+// the W float terms from i (float A only), at(i) one term.
+template <int W, class A, class VecAt, class At>
+inline A block_sum_of(int64_t m, VecAt vec_at, At at) {
+  A lane[kLanes] = {};
+  int64_t i = 0;
+  if constexpr (std::is_same_v<A, float>) {
+    using V = Vec<W>;
+    typename V::F acc[kLanes / W];
+    for (auto& a : acc) a = V::splat(0.0f);
+    for (; i + kLanes <= m; i += kLanes)
+      for (int k = 0; k < kLanes / W; ++k) acc[k] += vec_at(i + k * W);
+    for (int k = 0; k < kLanes / W; ++k) V::store(lane + k * W, acc[k]);
+  } else {
+    for (; i + kLanes <= m; i += kLanes)
+      for (int j = 0; j < kLanes; ++j) lane[j] += at(i + j);
+  }
+  for (int j = 0; i + j < m; ++j) lane[j] += at(i + j);
+  return tree_sum<kLanes>(lane);
+}
+
 // Rows of any storage type T are read in place: float states load through load_floats (no
 // scratch copy of 16-bit rows first, session 54).
 template <int W, class T, class A = acc_t<T>>
 inline A block_sum(const T* v, int64_t m) {
-  using V = Vec<W>;
-  A lane[kLanes] = {};
-  int64_t i = 0;
-  if constexpr (std::is_same_v<A, float>) {
-    typename V::F acc[kLanes / W];
-    for (auto& a : acc) a = V::splat(0.0f);
-    for (; i + kLanes <= m; i += kLanes)
-      for (int k = 0; k < kLanes / W; ++k) acc[k] += load_floats<W>(v + i + k * W);
-    for (int k = 0; k < kLanes / W; ++k) V::store(lane + k * W, acc[k]);
-  } else {
-    for (; i + kLanes <= m; i += kLanes)
-      for (int j = 0; j < kLanes; ++j) lane[j] += to_float(v[i + j]);
-  }
-  for (int j = 0; i + j < m; ++j) lane[j] += static_cast<A>(to_float(v[i + j]));
-  return tree_sum<kLanes>(lane);
+  return block_sum_of<W, A>(
+      m, [v](auto i) { return load_floats<W>(v + i); }, [v](auto i) { return static_cast<A>(to_float(v[i])); });
 }
 
 // Sum of v[0, n): block_sum of each 1024 elements, the blocks added in double. Keeps float32
@@ -66,6 +74,20 @@ inline double lane_sum(const A* v, int64_t n) {
   double total = 0;
   for (int64_t b = 0; b < n; b += kSumBlock)
     total += static_cast<double>(block_sum<W>(v + b, n - b < kSumBlock ? n - b : kSumBlock));
+  return total;
+}
+
+// Sum of a[i] * b[i] over [0, n) for rows of float32 / 16-bit types read in place, in lane_sum's
+// lanes and order (softmax's backward, session 55: no row of products stored first).
+template <int W, class T>
+inline double lane_dot(const T* a, const T* b, int64_t n) {
+  double total = 0;
+  for (int64_t o = 0; o < n; o += kSumBlock) {
+    const T *ao = a + o, *bo = b + o;
+    total += static_cast<double>(block_sum_of<W, float>(
+        n - o < kSumBlock ? n - o : kSumBlock, [=](auto i) { return load_floats<W>(ao + i) * load_floats<W>(bo + i); },
+        [=](auto i) { return to_float(ao[i]) * to_float(bo[i]); }));
+  }
   return total;
 }
 
@@ -103,16 +125,17 @@ inline A lane_extremum(const T* v, int64_t n) {
 }
 
 // out[i] = exp(in[i] - sub): Vec::exp for float (a partial last vector through a padded copy, so
-// every element takes the same instructions), libm for double.
-template <int W, class A>
-inline void exp_shifted(const A* in, A sub, A* out, int64_t n) {
+// every element takes the same instructions), libm for double. `in` may be a row of any storage
+// type, read in place.
+template <int W, class S, class A>
+inline void exp_shifted(const S* in, A sub, A* out, int64_t n) {
   if constexpr (std::is_same_v<A, float>) {
     using V = Vec<W>;
     int64_t i = 0;
-    for (; i + W <= n; i += W) V::store(out + i, V::exp(V::load(in + i) - sub));
+    for (; i + W <= n; i += W) V::store(out + i, V::exp(load_floats<W>(in + i) - sub));
     if (i < n) {
       float pad[W] = {};
-      for (int64_t j = i; j < n; ++j) pad[j - i] = in[j];
+      for (int64_t j = i; j < n; ++j) pad[j - i] = to_float(in[j]);
       V::store(pad, V::exp(V::load(pad) - sub));
       for (int64_t j = i; j < n; ++j) out[j] = pad[j - i];
     }
@@ -122,9 +145,9 @@ inline void exp_shifted(const A* in, A sub, A* out, int64_t n) {
 }
 
 // Sum of exp(in[i] - sub) over m <= kSumBlock elements in block_sum's lanes and order, without
-// storing the exps (float: Vec::exp; double: libm).
-template <int W, class A>
-inline A block_exp_sum(const A* in, A sub, int64_t m) {
+// storing the exps (float: Vec::exp; double: libm). `in`: any storage type, read in place.
+template <int W, class S, class A>
+inline A block_exp_sum(const S* in, A sub, int64_t m) {
   A lane[kLanes] = {};
   int64_t i = 0;
   if constexpr (std::is_same_v<A, float>) {
@@ -132,11 +155,11 @@ inline A block_exp_sum(const A* in, A sub, int64_t m) {
     typename V::F acc[kLanes / W];
     for (auto& a : acc) a = V::splat(0.0f);
     for (; i + kLanes <= m; i += kLanes)
-      for (int k = 0; k < kLanes / W; ++k) acc[k] += V::exp(V::load(in + i + k * W) - sub);
+      for (int k = 0; k < kLanes / W; ++k) acc[k] += V::exp(load_floats<W>(in + i + k * W) - sub);
     for (int k = 0; k < kLanes / W; ++k) V::store(lane + k * W, acc[k]);
     float tail[kLanes] = {};
     const int rest = static_cast<int>(m - i);
-    for (int j = 0; j < rest; ++j) tail[j] = in[i + j];
+    for (int j = 0; j < rest; ++j) tail[j] = to_float(in[i + j]);
     for (int k = 0; k * W < rest; ++k) {
       const typename V::F e = V::exp(V::load(tail + k * W) - sub);
       float ev[W];
@@ -154,8 +177,8 @@ inline A block_exp_sum(const A* in, A sub, int64_t m) {
 
 // Sum of exp(v[i] - sub) over [0, n): block_exp_sum of each 1024 elements, the blocks added in
 // double; the bits of lane_sum over exp_shifted's output, without storing the exps.
-template <int W, class A>
-inline double lane_exp_sum(const A* v, A sub, int64_t n) {
+template <int W, class S, class A>
+inline double lane_exp_sum(const S* v, A sub, int64_t n) {
   double total = 0;
   for (int64_t b = 0; b < n; b += kSumBlock)
     total += static_cast<double>(block_exp_sum<W>(v + b, sub, n - b < kSumBlock ? n - b : kSumBlock));

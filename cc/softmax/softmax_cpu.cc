@@ -14,40 +14,70 @@
 namespace jaxops::softmax {
 namespace {
 
-// 16-bit rows go through float scratch, float / double rows are read and written in place, one
-// vectorizable pass at a time (cpu_rows.h, cpu_sums.h); masked entries enter as -inf (forward)
-// or 0 (backward), like the CUDA kernels, and their outputs are forced afterwards. Row sums: 16
-// float lanes, blocks in double.
+// One vectorizable pass at a time (cpu_rows.h, cpu_sums.h). The forward reads float / double rows
+// in place and widens 16-bit ones into float scratch first (its max and exp passes ran 5-8 %
+// slower on 16-bit loads); its last pass writes the output type. The backward of unmasked rows
+// reads every type in place and writes the output in its second pass (session 55: before, 16-bit
+// rows were widened and narrowed in passes of their own, and the products or dy copied out).
+// Masked entries enter as -inf (forward) or 0 (backward), like the CUDA kernels, through a float
+// copy of the row, and their outputs are forced afterwards. Row sums: 16 float lanes, blocks in
+// double.
+
+// One row: xs the input row in the accumulation type (or its masked copy), yr the output;
+// scratch holds the exps of 16-bit rows (float / double rows keep them in yr).
+template <int W, class T, class A>
+void forward_row(const A* xs, T* yr, A* scratch, int64_t cols, bool log) {
+  const A m = cpu::lane_extremum<W, true>(xs, cols);
+  // exp(-inf - m) = 0 for masked entries when m is finite; the row is NaN anyway otherwise.
+  if (log) {  // only the sum of the exps: lane_exp_sum, without storing them
+    const A log_s = std::log(static_cast<A>(cpu::lane_exp_sum<W>(xs, m, cols)));
+    for (int64_t c = 0; c < cols; ++c) yr[c] = cpu::from_float<T>((xs[c] - m) - log_s);
+  } else {
+    A* e = cpu::acc_out(yr, scratch);
+    cpu::exp_shifted<W>(xs, m, e, cols);
+    const A s = static_cast<A>(cpu::lane_sum<W>(e, cols));
+    for (int64_t c = 0; c < cols; ++c) yr[c] = cpu::from_float<T>(e[c] / s);
+  }
+}
 
 template <int W, class T>
 void forward_rows(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols, bool log) {
   using A = cpu::acc_t<T>;
-  constexpr bool kInPlace = std::is_same_v<T, A>;  // float / double rows need no scratch
   const A neg_inf = -std::numeric_limits<A>::infinity();
-  std::vector<A> v(kInPlace && !mask ? 0 : cols), e(kInPlace ? 0 : cols);
+  constexpr bool kInPlace = std::is_same_v<T, A>;
+  std::vector<A> v(kInPlace && !mask ? 0 : cols), e(kInPlace || log ? 0 : cols);
   for (int64_t r = 0; r < rows; ++r) {
-    const bool* mr = mask ? mask + r * cols : nullptr;
-    const A* xv = v.data();
-    if constexpr (kInPlace) {
-      if (mr) std::copy(x + r * cols, x + (r + 1) * cols, v.data());
-      else xv = x + r * cols;
-    } else {
+    T* yr = y + r * cols;
+    if (mask) {
+      const bool* mr = mask + r * cols;
       cpu::widen(x + r * cols, v.data(), cols);
-    }
-    if (mr) cpu::fill_unkept(mr, v.data(), neg_inf, cols);
-    const A m = cpu::lane_extremum<W, true>(xv, cols);
-    A* out = cpu::acc_out(y + r * cols, e.data());
-    // exp(-inf - m) = 0 for masked entries when m is finite; the row is NaN anyway otherwise.
-    if (log) {  // only the sum of the exps: lane_exp_sum, without storing them
-      const A log_s = std::log(static_cast<A>(cpu::lane_exp_sum<W>(xv, m, cols)));
-      for (int64_t c = 0; c < cols; ++c) out[c] = (xv[c] - m) - log_s;
+      cpu::fill_unkept(mr, v.data(), neg_inf, cols);
+      forward_row<W>(v.data(), yr, e.data(), cols, log);
+      cpu::fill_unkept(mr, yr, cpu::from_float<T>(log ? neg_inf : A(0)), cols);
     } else {
-      cpu::exp_shifted<W>(xv, m, out, cols);
-      const A s = static_cast<A>(cpu::lane_sum<W>(out, cols));
-      for (int64_t c = 0; c < cols; ++c) out[c] = out[c] / s;
+      forward_row<W>(cpu::acc_row(x + r * cols, v.data(), cols), yr, e.data(), cols, log);
     }
-    if (mr) cpu::fill_unkept(mr, out, log ? neg_inf : A(0), cols);
-    cpu::narrow_row(e.data(), y + r * cols, cols);
+  }
+}
+
+// Unmasked rows of float32 / 16-bit types: the sum, then the output, nothing stored between them.
+template <int W, class T>
+void backward_row_in_place(const T* ys, const T* gs, T* out, int64_t cols, bool log) {
+  using V = cpu::Vec<W>;
+  if (log) {  // dx = dy - exp(y) sum(dy): Vec::exp a vector at a time, the last through padding
+    const float s = static_cast<float>(cpu::lane_sum<W>(gs, cols));
+    int64_t c = 0;
+    for (; c + W <= cols; c += W)
+      cpu::store_floats<W>(out + c, cpu::load_floats<W>(gs + c) - V::exp(cpu::load_floats<W>(ys + c)) * s);
+    if (c < cols) {
+      float py[W] = {}, pg[W] = {}, o[W];
+      for (int64_t j = c; j < cols; ++j) py[j - c] = cpu::to_float(ys[j]), pg[j - c] = cpu::to_float(gs[j]);
+      V::store(o, V::load(pg) - V::exp(V::load(py)) * s);
+      for (int64_t j = c; j < cols; ++j) out[j] = cpu::from_float<T>(o[j - c]);
+    }
+  } else {  // dx = y (dy - sum(dy y))
+    const float s = static_cast<float>(cpu::lane_dot<W>(gs, ys, cols));
+    for (int64_t c = 0; c < cols; ++c) out[c] = cpu::from_float<T>(cpu::to_float(ys[c]) * (cpu::to_float(gs[c]) - s));
   }
 }
 
@@ -55,6 +85,12 @@ template <int W, class T>
 void backward_rows(const T* y, const T* dy, const bool* mask, T* dx, int64_t rows, int64_t cols,
                    bool log) {
   using A = cpu::acc_t<T>;
+  if constexpr (std::is_same_v<A, float>) {
+    if (!mask) {
+      for (int64_t r = 0; r < rows; ++r) backward_row_in_place<W>(y + r * cols, dy + r * cols, dx + r * cols, cols, log);
+      return;
+    }
+  }
   constexpr bool kInPlace = std::is_same_v<T, A>;
   std::vector<A> yv(kInPlace ? 0 : cols), g(kInPlace ? 0 : cols), t(kInPlace ? 0 : cols);
   for (int64_t r = 0; r < rows; ++r) {
