@@ -111,14 +111,15 @@ def test_variance_is_stable_far_from_zero(key):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("cols", [2056, 4096, 8192, 16392, 262152])
+@pytest.mark.parametrize("cols", [2055, 2056, 4096, 8192, 16392, 262152])
 @pytest.mark.parametrize("center,spread", [(3.0, 2.0), (1e4, 0.1)])
 def test_variance_whatever_the_first_element(key, dtype, cols, center, spread):
     # The GPU block, split and uncached forwards (2056+ columns; per-example parameters under vmap
     # take forward_block) take the variance in one pass around the row's first element when that
     # element lies within sqrt(3) standard deviations of the mean, else in two passes around the
     # mean (session 37). First elements 0 ... 1000 standard deviations off, on both sides: every
-    # row must match the float64 formula.
+    # row must match the float64 formula. 2055 columns are not whole 16-byte packs: one element
+    # a load, in the same lean block kernel since session 55.
     if dtype == jnp.bfloat16 and center > 100:
         pytest.skip("bfloat16 cannot hold 1e4 + 0.1 z")
     offsets = jnp.asarray([0.0, 0.5, 1.0, 1.7, 1.8, -2.0, 3.0, -30.0, 1000.0], jnp.float32)
@@ -674,7 +675,7 @@ def test_misaligned_rows_fall_back_to_scalar_packs(key):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("cols", [5, 21, 31, 33, 63, 97, 131, 255, 1001])
+@pytest.mark.parametrize("cols", [5, 21, 31, 33, 63, 97, 131, 255, 257, 509, 1001])
 def test_misaligned_rows_gpu(key, dtype, cols):
     # Rows that are not whole 16-byte packs (float32 odd widths; 16-bit widths not a multiple of
     # 8) take one-element packs. Up to 256 columns the lean team kernels (session 53; float32
@@ -682,7 +683,9 @@ def test_misaligned_rows_gpu(key, dtype, cols):
     # teams). Forward: 5 columns 4 lanes of 2, 21 and 31 8 lanes of 4 (21: lanes 5-7 idle in the
     # third round, all in the fourth), 33 and 63 16 lanes of 4, 97 16 lanes of 8, 131-256 a full
     # warp of 8. Backward: one element a lane up to 32 columns, then a full warp of 2-8. One block
-    # a row past 256 (1001). 3001 rows leave partial iterations. Both gradients; per-example
+    # a row past 256. Forward past 256 (session 55): forward_block_lean one element a load (257;
+    # 509 for 16-bit types), forward_block_skew's head / 16-byte packs / tail from 96 packs (509
+    # float32, 1001); per-example parameters under vmap forward_block. 3001 rows leave partial iterations. Both gradients; per-example
     # parameters under vmap, with dscale / dbias bit-identical over two runs.
     x, scale, bias = _check_forward(key, dtype, 3001, cols, 3.0)
     _check_both_grads(x, scale, bias, dtype)

@@ -8,6 +8,7 @@
 #include "layer_norm/layer_norm_lean.cuh"
 #include "layer_norm/layer_norm_async_fwd.cuh"
 #include "layer_norm/layer_norm_lean_block.cuh"
+#include "layer_norm/layer_norm_skew_block.cuh"
 
 namespace jaxops::layer_norm {
 namespace {
@@ -251,6 +252,20 @@ bool held_disabled() {
   return e != nullptr && e[0] == '1';
 }
 
+// Rows that are not whole 16-byte packs in forward_block_skew: one row a block (grid = rows), its
+// whole packs cached in shared memory.
+template <class T>
+cudaError_t launch_skew(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
+  constexpr int kPack = kVecPack<T>;
+  auto kernel = forward_block_skew<T, kPack>;
+  const int threads = block_threads(a.shape.cols / kPack, 4);
+  const size_t smem = static_cast<size_t>(a.shape.cols / kPack) * 16;
+  int per_sm = 1;
+  if (cudaError_t err = prepare(kernel, threads, smem, info, &per_sm); err != cudaSuccess) return err;
+  const int64_t grid = forward_grid(a.shape.rows, 1, false, per_sm, info);
+  return cuda::launch_kernel(kernel, static_cast<unsigned>(grid), threads, smem, stream, a);
+}
+
 template <class T, int kPack>
 cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
   const int64_t npacks = a.shape.cols / kPack;
@@ -278,6 +293,24 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
     auto kernel = forward_block<T, kPack>;
     bool persistent = true;
     size_t launch_smem = smem;
+    // Rows of single elements (not whole 16-byte packs) with one parameter group. Session 55, H100,
+    // us, forward_block (persistent, before) / forward_block_lean<T, 1> / forward_block_skew / XLA:
+    // f32 layer_norm 65536x1001 319.6 / 222.6 / 207.7 / 209.3, 16384x4095 399.8 / 249.1 / 193.0 /
+    // 211.1, 131072x257 230.3 / 174.4 / 283.1 / 143.6; bf16 65536x1001 311.9 / 212.3 / 165.1 /
+    // 125.5, 16384x4095 375.4 / 236.0 / 97.9 / 120.2, 131072x257 235.0 / 169.0 / 262.3 / 128.6;
+    // rms_norm alike (bf16 16384x4095 334.0 / 190.1 / 93.9 / 106.3). The skewed kernel reads 16-byte
+    // packs but runs a block a row: at 32-64 packs most of its threads idle, so rows of fewer
+    // than kSkewMinPacks packs (between the measured 64 and 125) keep the lean scalar kernel.
+    if constexpr (kPack == 1 && sizeof(T) <= 4) {
+      if (a.shape.groups == 1) {
+        constexpr int64_t kSkewMinPacks = 96;
+        const void* ptrs[] = {a.x, a.y, a.scale, a.bias ? a.bias : a.scale};
+        if (a.shape.cols / kVecPack<T> >= kSkewMinPacks && cuda::pack_size_for<T>(kVecPack<T>, ptrs, 4) == kVecPack<T>)
+          return launch_skew<T>(a, info, stream);
+        kernel = forward_block_lean<T, kPack>;
+        persistent = false;
+      }
+    }
     // Session 5: the lean block kernel (one row a block, grid = rows) for 16-byte packs of float /
     // 16-bit types.
     if constexpr (kLeanType<T, kPack>) {

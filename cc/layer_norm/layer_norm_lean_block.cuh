@@ -7,13 +7,58 @@
 // stores (unpack_floats / pack_floats), y = fma(fma(x - shift, rstd, -mean_rel * rstd), s, b),
 // 32-bit pack indices and no 64-bit `row / rows_per_group` per pack for the scale / bias loads
 // (groups == 1; kGroups: once a row), and a block sum with a lane tree instead of a serial loop
-// over the warps.
+// over the warps. Since session 55 also single-element rows (not whole 16-byte packs) too short for
+// forward_block_skew (layer_norm_skew_block.cuh): 257-383 float32 / 257-767 16-bit columns.
 #pragma once
 #include "layer_norm/layer_norm_lean.cuh"
 #include "layer_norm/layer_norm_lean_bwd.cuh"
 #include "layer_norm/layer_norm_split.cuh"
 
 namespace jaxops::layer_norm {
+
+// The block kernels' load pass: this thread's packs p (p = threadIdx.x + k * blockDim.x) of xr,
+// kLoadChunk loads in flight, cached in shared memory when kCache; sum += x - shift (not for
+// rms_norm) and sq += (x - shift)^2.
+template <class T, int kPack, bool kRms, bool kCache>
+__device__ __forceinline__ void lean_load_pass(const T* xr, T* cache, int npacks, float shift, float& sum,
+                                               float& sq) {
+  constexpr int kLoadChunk = 4;
+  for (int p0 = threadIdx.x; p0 < npacks; p0 += kLoadChunk * blockDim.x) {
+    Pack<T, kPack> xp[kLoadChunk];
+#pragma unroll
+    for (int k = 0; k < kLoadChunk; ++k) {
+      const int p = p0 + k * blockDim.x;
+      if (p < npacks) xp[k] = load_pack<T, kPack>(xr + p * kPack);
+    }
+#pragma unroll
+    for (int k = 0; k < kLoadChunk; ++k) {
+      const int p = p0 + k * blockDim.x;
+      if (p < npacks) {
+        if constexpr (kCache) store_pack(cache + p * kPack, xp[k]);
+        float f[kPack];
+        unpack_floats<T, kPack>(xp[k], f);
+#pragma unroll
+        for (int e = 0; e < kPack; ++e) {
+          const float d = kRms ? f[e] : f[e] - shift;
+          if constexpr (!kRms) sum += d;
+          sq = fmaf(d, d, sq);
+        }
+      }
+    }
+  }
+}
+
+// One pack's outputs: fma(fma(x - shift, rstd, c), scale, bias), rms_norm x * rstd * scale.
+template <int kPack, bool kRms>
+__device__ __forceinline__ void lean_outputs(const float (&f)[kPack], const float (&sf)[kPack],
+                                             const float (&bf)[kPack], float shift, float rstd, float c,
+                                             float (&out)[kPack]) {
+#pragma unroll
+  for (int e = 0; e < kPack; ++e) {
+    if constexpr (kRms) out[e] = (f[e] * rstd) * sf[e];
+    else out[e] = fmaf(fmaf(f[e] - shift, rstd, c), sf[e], bf[e]);
+  }
+}
 
 // The third pass, for rows whose shifted variance is untrusted: this thread's sum of squares
 // around the mean (x - shift - mean_rel) over its packs of `row` (cached or in global memory).
@@ -46,7 +91,7 @@ __device__ __forceinline__ float recentred_squares(const T* row, int npacks, flo
 template <class T, int kPack, bool kRms, bool kSplit = false, bool kFromL2 = false, bool kGroups = false>
 __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, float2* scratch,
                                                         float2 (*parts)[32]) {
-  constexpr int kLoadChunk = 4, kWriteChunk = sizeof(T) == 4 ? 2 : 1;
+  constexpr int kWriteChunk = sizeof(T) == 4 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* cache = reinterpret_cast<T*>(smem_raw);
   const Shape& s = a.shape;
@@ -63,29 +108,7 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
     const T* xr = x + row * s.cols;
     const float shift = kRms ? 0.0f : to_acc(x_row0[row * s.cols]);
     float sum = 0.0f, sq = 0.0f, unused = 0.0f;
-    for (int p0 = threadIdx.x; p0 < npacks; p0 += kLoadChunk * blockDim.x) {
-      Pack<T, kPack> xp[kLoadChunk];
-#pragma unroll
-      for (int k = 0; k < kLoadChunk; ++k) {
-        const int p = p0 + k * blockDim.x;
-        if (p < npacks) xp[k] = load_pack<T, kPack>(xr + p * kPack);
-      }
-#pragma unroll
-      for (int k = 0; k < kLoadChunk; ++k) {
-        const int p = p0 + k * blockDim.x;
-        if (p < npacks) {
-          if constexpr (!kFromL2) store_pack(cache + p * kPack, xp[k]);
-          float f[kPack];
-          unpack_floats<T, kPack>(xp[k], f);
-#pragma unroll
-          for (int e = 0; e < kPack; ++e) {
-            const float d = kRms ? f[e] : f[e] - shift;
-            if constexpr (!kRms) sum += d;
-            sq = fmaf(d, d, sq);
-          }
-        }
-      }
-    }
+    lean_load_pass<T, kPack, kRms, !kFromL2>(xr, cache, npacks, shift, sum, sq);
     if constexpr (kSplit) split_row_sums<kSplit>(sum, sq, parts, parity);
     else block_sum2_lean(sum, sq, scratch);
     parity ^= 1;
@@ -129,11 +152,7 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
           unpack_floats<T, kPack>(kFromL2 ? xq[k] : load_pack<T, kPack>(cache + p * kPack), f);
           unpack_floats<T, kPack>(sp[k], sf);
           if constexpr (!kRms) unpack_floats<T, kPack>(bp[k], bf);
-#pragma unroll
-          for (int e = 0; e < kPack; ++e) {
-            if constexpr (kRms) out[e] = (f[e] * rstd) * sf[e];
-            else out[e] = fmaf(fmaf(f[e] - shift, rstd, c), sf[e], bf[e]);
-          }
+          lean_outputs<kPack, kRms>(f, sf, bf, shift, rstd, c, out);
           store_pack(yr + p * kPack, pack_floats<T, kPack>(out));
         }
       }
@@ -148,7 +167,8 @@ __device__ __forceinline__ void forward_block_lean_body(const ForwardArgs& a, fl
 
 template <class T, int kPack, bool kSplit = false, bool kFromL2 = false, bool kGroups = false>
 __device__ __forceinline__ void forward_block_lean_kernel_body(const ForwardArgs& a) {
-  static_assert(sizeof(T) <= 4 && kPack * sizeof(T) == 16, "16-byte packs of float / 16-bit types");
+  static_assert(sizeof(T) <= 4 && (kPack * sizeof(T) == 16 || kPack == 1),
+                "16-byte packs of float / 16-bit types, or single elements (session 55)");
   __shared__ float2 scratch[32];  // (one array for both bodies: 256 bytes, as forward_block)
   __shared__ float2 parts[kSplit ? 2 : 1][32];  // (split rows only)
   if (a.shape.rms) forward_block_lean_body<T, kPack, true, kSplit, kFromL2, kGroups>(a, scratch, parts);
