@@ -217,3 +217,21 @@ def test_baseline_is_forced_and_differs_only_in_rounding():
     out, base = np.asarray(out), np.asarray(base)
     assert not np.array_equal(out, base)
     np.testing.assert_allclose(out, base, rtol=2e-6, atol=1e-9)
+
+
+def test_exp_at_the_underflow_edge():
+    """Vec::exp computes its arguments at or below -87.3 as -87.3 (a normal product: subnormal ones
+    take a microcode assist on x86) and returns 0 for them; the arguments just above must keep their
+    values. Each row's maximum is 0, so its entries are the exps themselves (the sum is 1 + tiny)."""
+    d = np.array([0.0, -80.0, -87.0, -87.2, -87.29, -87.31, -87.4, -87.5, -100.0, -np.inf], np.float32)
+    x = jnp.asarray(np.tile(d, (3, 1)))
+    exact = np.exp(d.astype(np.float64))
+    normal = exact >= np.finfo(np.float32).tiny * 1.1
+    for log in (False, True):
+        op = jaxops.log_softmax if log else jaxops.softmax
+        for y in both_paths(jax.jit(op), x):
+            y = np.asarray(y, np.float64)
+            got = np.exp(y) if log else y
+            np.testing.assert_allclose(got[:, normal], np.tile(exact[normal], (3, 1)), rtol=2e-6)
+            if not log:  # below the edge: 0 (or XLA-like subnormals), never more than the edge's value
+                assert np.all(y[:, ~normal] <= np.finfo(np.float32).tiny * 1.1)
