@@ -24,9 +24,10 @@ namespace {
 // double.
 
 // One row: xs the input row in the accumulation type (or its masked copy), yr the output;
-// scratch holds the exps of 16-bit rows (float / double rows keep them in yr).
+// scratch holds the exps of 16-bit rows (float / double rows keep them in yr). Returns the row's
+// maximum.
 template <int W, class T, class A>
-void forward_row(const A* xs, T* yr, A* scratch, int64_t cols, bool log) {
+A forward_row(const A* xs, T* yr, A* scratch, int64_t cols, bool log) {
   const A m = cpu::lane_extremum<W, true>(xs, cols);
   // exp(-inf - m) = 0 for masked entries when m is finite; the row is NaN anyway otherwise.
   if (log) {  // only the sum of the exps: lane_exp_sum, without storing them
@@ -38,6 +39,7 @@ void forward_row(const A* xs, T* yr, A* scratch, int64_t cols, bool log) {
     const A s = static_cast<A>(cpu::lane_sum<W>(e, cols));
     for (int64_t c = 0; c < cols; ++c) yr[c] = cpu::from_float<T>(e[c] / s);
   }
+  return m;
 }
 
 template <int W, class T>
@@ -50,10 +52,11 @@ void forward_rows(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols
     T* yr = y + r * cols;
     if (mask) {
       const bool* mr = mask + r * cols;
-      cpu::widen(x + r * cols, v.data(), cols);
-      cpu::fill_unkept(mr, v.data(), neg_inf, cols);
-      forward_row<W>(v.data(), yr, e.data(), cols, log);
-      cpu::fill_unkept(mr, yr, cpu::from_float<T>(log ? neg_inf : A(0)), cols);
+      cpu::widen_kept(mr, x + r * cols, v.data(), neg_inf, cols);
+      // With a finite maximum the masked entries come out as exp(-inf) = 0 or -inf already; a row
+      // whose maximum is -inf (all masked), +inf or NaN has them forced.
+      if (!std::isfinite(forward_row<W>(v.data(), yr, e.data(), cols, log)))
+        cpu::fill_unkept(mr, yr, cpu::from_float<T>(log ? neg_inf : A(0)), cols);
     } else {
       forward_row<W>(cpu::acc_row(x + r * cols, v.data(), cols), yr, e.data(), cols, log);
     }
