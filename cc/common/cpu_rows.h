@@ -67,25 +67,4 @@ inline typename Vec<W>::F load_floats(const T* p) {
   }
 }
 
-// W floats stored as W consecutive storage values (rounded to nearest even for 16-bit types):
-// bfloat16 by from_float's integer steps on the whole vector, float16 a lane at a time.
-template <int W, class T>
-inline void store_floats(T* p, typename Vec<W>::F v) {
-  using V = Vec<W>;
-  if constexpr (std::is_same_v<T, float>) {
-    V::store(p, v);
-  } else if constexpr (std::is_same_v<T, bf16>) {
-    typedef uint32_t U __attribute__((vector_size(W * 4)));
-    const U u = reinterpret_cast<U>(V::bits(v));
-    const U rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const U nan = reinterpret_cast<U>((u & 0x7fffffffu) > 0x7f800000u);
-    const typename V::U16 h = __builtin_convertvector((((u >> 16) | 0x40u) & nan) | (rounded & ~nan), typename V::U16);
-    std::memcpy(p, &h, sizeof h);
-  } else {
-    float f[W];
-    Vec<W>::store(f, v);
-    for (int k = 0; k < W; ++k) p[k] = from_float<T>(f[k]);
-  }
-}
-
 }  // namespace jaxops::cpu
