@@ -20,8 +20,8 @@ namespace {
 // reads every type in place and writes the output in its second pass (session 55: before, 16-bit
 // rows were widened and narrowed in passes of their own, and the products or dy copied out).
 // Masked entries enter as -inf (forward) or 0 (backward), like the CUDA kernels, through a float
-// copy of the row, and their outputs are forced afterwards. Row sums: 16 float lanes, blocks in
-// double.
+// copy of the row, and their outputs are forced afterwards (the forward's only where the row's
+// maximum is not finite). Row sums: 16 float lanes, blocks in double.
 
 // One row: xs the input row in the accumulation type (or its masked copy), yr the output;
 // scratch holds the exps of 16-bit rows (float / double rows keep them in yr). Returns the row's
