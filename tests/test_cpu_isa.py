@@ -71,6 +71,8 @@ def test_softmax(cols, dtype, log):
     finite = normal(k1, (5, cols), dtype)
     vjp = lambda f: jax.jit(lambda x, g: jax.vjp(f, x)[1](g)[0])
     check(vjp(op), vjp(ref), finite, dy, dtype=dtype)
+    masked_vjp = lambda f: jax.jit(lambda x, g, w: jax.vjp(lambda x: f(x, where=w), x)[1](g)[0])
+    check(masked_vjp(op), masked_vjp(ref), finite, dy, where, dtype=dtype)
 
 
 def np_reduce(name):

@@ -16,12 +16,12 @@ namespace {
 
 // One vectorizable pass at a time (cpu_rows.h, cpu_sums.h). The forward reads float / double rows
 // in place and widens 16-bit ones into float scratch first (its max and exp passes ran 5-8 %
-// slower on 16-bit loads); its last pass writes the output type. The backward of unmasked rows
-// reads every type in place and writes the output in its second pass (session 55: before, 16-bit
-// rows were widened and narrowed in passes of their own, and the products or dy copied out).
-// Masked entries enter as -inf (forward) or 0 (backward), like the CUDA kernels, through a float
-// copy of the row, and their outputs are forced afterwards (the forward's only where the row's
-// maximum is not finite). Row sums: 16 float lanes, blocks in double.
+// slower on 16-bit loads); its last pass writes the output type. The backward reads float32 and
+// 16-bit rows in place and writes the output in its second pass (session 55: before, 16-bit rows
+// were widened and narrowed in passes of their own, and the products or dy copied out). Masked
+// entries enter the forward as -inf through a float copy of the row, like the CUDA kernels, and
+// are forced afterwards where the row's maximum is not finite; the backward selects their terms
+// and outputs to 0. Row sums: 16 float lanes, blocks in double.
 
 // One row: xs the input row in the accumulation type (or its masked copy), yr the output;
 // scratch holds the exps of 16-bit rows (float / double rows keep them in yr). Returns the row's
@@ -63,19 +63,46 @@ void forward_rows(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols
   }
 }
 
-// Unmasked rows of float32 / 16-bit types: the sum, then the output, nothing stored between them
-// (but 16-bit log_softmax's exps; exps: cols floats for 16-bit rows).
-template <int W, class T>
-void backward_row_in_place(const T* ys, const T* gs, T* out, float* exps, int64_t cols, bool log) {
+// Rows of float32 / 16-bit types: the sum, then the output, nothing stored between them (but
+// log_softmax's exps for 16-bit or masked rows; exps: cols floats for 16-bit rows). Masked entries
+// (keep[i] == 0, kMasked) take no part in the sum (as in jax.nn) and get no gradient, even in NaN
+// rows: their terms and outputs are selected to 0.
+template <int W, bool kMasked, class T>
+void backward_row_in_place(const T* ys, const T* gs, const bool* keep, T* out, float* exps, int64_t cols,
+                           bool log) {
   using V = cpu::Vec<W>;
+  const uint8_t* k = reinterpret_cast<const uint8_t*>(keep);
+  const auto kept = [k](int64_t i, float v) {
+    if constexpr (kMasked) return cpu::select_bits(k[i] != 0, v, 0.0f);
+    else return v;
+  };
+  const auto kept_vec = [k](int64_t i, typename V::F v) {
+    if constexpr (kMasked) {
+      typename V::I m;
+      for (int j = 0; j < W; ++j) m[j] = -static_cast<int32_t>(k[i + j] != 0);
+      return V::floats(V::bits(v) & m);
+    } else {
+      return v;
+    }
+  };
   if (!log) {  // dx = y (dy - sum(dy y))
-    const float s = static_cast<float>(cpu::lane_dot<W>(gs, ys, cols));
-    for (int64_t c = 0; c < cols; ++c) out[c] = cpu::from_float<T>(cpu::to_float(ys[c]) * (cpu::to_float(gs[c]) - s));
+    if constexpr (kMasked) {
+      const float s = static_cast<float>(cpu::lane_sum_of<W>(
+          cols, [&](int64_t i) { return kept_vec(i, cpu::load_floats<W>(gs + i) * cpu::load_floats<W>(ys + i)); },
+          [&](int64_t i) { return kept(i, cpu::to_float(gs[i]) * cpu::to_float(ys[i])); }));
+      for (int64_t c = 0; c < cols; ++c)
+        out[c] = cpu::from_float<T>(kept(c, cpu::to_float(ys[c]) * (cpu::to_float(gs[c]) - s)));
+    } else {
+      const float s = static_cast<float>(cpu::lane_dot<W>(gs, ys, cols));
+      for (int64_t c = 0; c < cols; ++c) out[c] = cpu::from_float<T>(cpu::to_float(ys[c]) * (cpu::to_float(gs[c]) - s));
+    }
     return;
   }
   // dx = dy - exp(y) sum(dy)
-  const float s = static_cast<float>(cpu::lane_sum<W>(gs, cols));
-  if constexpr (std::is_same_v<T, float>) {  // Vec::exp a vector at a time, the last through padding
+  const float s = static_cast<float>(cpu::lane_sum_of<W>(
+      cols, [&](int64_t i) { return kept_vec(i, cpu::load_floats<W>(gs + i)); },
+      [&](int64_t i) { return kept(i, cpu::to_float(gs[i])); }));
+  if constexpr (std::is_same_v<T, float> && !kMasked) {  // Vec::exp a vector at a time, the last padded
     int64_t c = 0;
     for (; c + W <= cols; c += W) V::store(out + c, V::load(gs + c) - V::exp(V::load(ys + c)) * s);
     if (c < cols) {
@@ -87,8 +114,9 @@ void backward_row_in_place(const T* ys, const T* gs, T* out, float* exps, int64_
   } else {
     // The exps first: one loop of two 16-bit loads, the exp and a 16-bit store kept more constants
     // than there are registers (892 against 676 us in the harness, bf16 1024 x 1024).
-    cpu::exp_shifted<W>(ys, 0.0f, exps, cols);
-    for (int64_t c = 0; c < cols; ++c) out[c] = cpu::from_float<T>(cpu::to_float(gs[c]) - exps[c] * s);
+    float* e = cpu::acc_out(out, exps);
+    cpu::exp_shifted<W>(ys, 0.0f, e, cols);
+    for (int64_t c = 0; c < cols; ++c) out[c] = cpu::from_float<T>(kept(c, cpu::to_float(gs[c]) - e[c] * s));
   }
 }
 
@@ -97,37 +125,35 @@ void backward_rows(const T* y, const T* dy, const bool* mask, T* dx, int64_t row
                    bool log) {
   using A = cpu::acc_t<T>;
   if constexpr (std::is_same_v<A, float>) {
-    if (!mask) {
-      std::vector<float> exps(std::is_same_v<T, float> ? 0 : cols);
-      for (int64_t r = 0; r < rows; ++r)
-        backward_row_in_place<W>(y + r * cols, dy + r * cols, dx + r * cols, exps.data(), cols, log);
-      return;
+    std::vector<float> exps(std::is_same_v<T, float> ? 0 : cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t o = r * cols;
+      if (mask) backward_row_in_place<W, true>(y + o, dy + o, mask + o, dx + o, exps.data(), cols, log);
+      else backward_row_in_place<W, false>(y + o, dy + o, nullptr, dx + o, exps.data(), cols, log);
     }
-  }
-  constexpr bool kInPlace = std::is_same_v<T, A>;
-  std::vector<A> yv(kInPlace ? 0 : cols), g(kInPlace ? 0 : cols), t(kInPlace ? 0 : cols);
-  for (int64_t r = 0; r < rows; ++r) {
-    const bool* mr = mask ? mask + r * cols : nullptr;
-    const A* ys = cpu::acc_row(y + r * cols, yv.data(), cols);
-    const A* gs = cpu::acc_row(dy + r * cols, g.data(), cols);
-    A* out = cpu::acc_out(dx + r * cols, t.data());
-    // Masked entries take no part in the sum (as in jax.nn) and get no gradient, even in NaN rows.
-    const auto masked_sum = [&](A* terms) {
-      if (mr) cpu::fill_unkept(mr, terms, A(0), cols);
-      return static_cast<A>(cpu::lane_sum<W>(terms, cols));
-    };
-    if (log) {
-      std::copy(gs, gs + cols, out);
-      const A s = masked_sum(out);
-      cpu::exp_shifted<W>(ys, A(0), out, cols);
-      for (int64_t c = 0; c < cols; ++c) out[c] = gs[c] - out[c] * s;
-    } else {
-      for (int64_t c = 0; c < cols; ++c) out[c] = gs[c] * ys[c];
-      const A s = masked_sum(out);
-      for (int64_t c = 0; c < cols; ++c) out[c] = ys[c] * (gs[c] - s);
+  } else {  // double rows: a pass at a time in place
+    for (int64_t r = 0; r < rows; ++r) {
+      const bool* mr = mask ? mask + r * cols : nullptr;
+      const A* ys = y + r * cols;
+      const A* gs = dy + r * cols;
+      A* out = dx + r * cols;
+      // Masked entries take no part in the sum (as in jax.nn) and get no gradient, even in NaN rows.
+      const auto masked_sum = [&](A* terms) {
+        if (mr) cpu::fill_unkept(mr, terms, A(0), cols);
+        return static_cast<A>(cpu::lane_sum<W>(terms, cols));
+      };
+      if (log) {
+        std::copy(gs, gs + cols, out);
+        const A s = masked_sum(out);
+        cpu::exp_shifted<W>(ys, A(0), out, cols);
+        for (int64_t c = 0; c < cols; ++c) out[c] = gs[c] - out[c] * s;
+      } else {
+        for (int64_t c = 0; c < cols; ++c) out[c] = gs[c] * ys[c];
+        const A s = masked_sum(out);
+        for (int64_t c = 0; c < cols; ++c) out[c] = ys[c] * (gs[c] - s);
+      }
+      if (mr) cpu::fill_unkept(mr, out, A(0), cols);
     }
-    if (mr) cpu::fill_unkept(mr, out, A(0), cols);
-    cpu::narrow_row(t.data(), dx + r * cols, cols);
   }
 }
 
