@@ -252,6 +252,14 @@ bool held_disabled() {
   return e != nullptr && e[0] == '1';
 }
 
+// The largest pack (elements per access, up to 16 bytes) that divides `cols` and the alignment of
+// x, y, scale and bias.
+template <class T>
+int forward_pack(const ForwardArgs& a, int64_t cols) {
+  const void* ptrs[] = {a.x, a.y, a.scale, a.bias ? a.bias : a.scale};
+  return cuda::pack_size_for<T>(cols, ptrs, 4);
+}
+
 // Rows that are not whole 16-byte packs in forward_block_skew: one row a block (grid = rows), its
 // whole packs cached in shared memory.
 template <class T>
@@ -304,8 +312,8 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
     if constexpr (kPack == 1 && sizeof(T) <= 4) {
       if (a.shape.groups == 1) {
         constexpr int64_t kSkewMinPacks = 96;
-        const void* ptrs[] = {a.x, a.y, a.scale, a.bias ? a.bias : a.scale};
-        if (a.shape.cols / kVecPack<T> >= kSkewMinPacks && cuda::pack_size_for<T>(kVecPack<T>, ptrs, 4) == kVecPack<T>)
+        // (forward_pack over kVecPack columns: whether the pointers alone are 16-byte aligned)
+        if (a.shape.cols / kVecPack<T> >= kSkewMinPacks && forward_pack<T>(a, kVecPack<T>) == kVecPack<T>)
           return launch_skew<T>(a, info, stream);
         kernel = forward_block_lean<T, kPack>;
         persistent = false;
@@ -367,8 +375,7 @@ template <class T>
 cudaError_t forward_typed(const ForwardArgs& a, cudaStream_t stream) {
   cuda::DeviceInfo info;
   if (cudaError_t err = cuda::device_info(&info); err != cudaSuccess) return err;
-  const void* ptrs[] = {a.x, a.y, a.scale, a.bias ? a.bias : a.scale};
-  if (cuda::pack_size_for<T>(a.shape.cols, ptrs, 4) == kVecPack<T>)
+  if (forward_pack<T>(a, a.shape.cols) == kVecPack<T>)
     return forward_packed<T, kVecPack<T>>(a, info, stream);
   return forward_packed<T, 1>(a, info, stream);
 }

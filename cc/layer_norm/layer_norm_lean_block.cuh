@@ -16,6 +16,14 @@
 
 namespace jaxops::layer_norm {
 
+// One element into a row's sums: sum += x - shift (not for rms_norm), sq += (x - shift)^2.
+template <bool kRms>
+__device__ __forceinline__ void lean_add(float x, float shift, float& sum, float& sq) {
+  const float d = kRms ? x : x - shift;
+  if constexpr (!kRms) sum += d;
+  sq = fmaf(d, d, sq);
+}
+
 // The block kernels' load pass: this thread's packs p (p = threadIdx.x + k * blockDim.x) of xr,
 // kLoadChunk loads in flight, cached in shared memory when kCache; sum += x - shift (not for
 // rms_norm) and sq += (x - shift)^2.
@@ -38,11 +46,7 @@ __device__ __forceinline__ void lean_load_pass(const T* xr, T* cache, int npacks
         float f[kPack];
         unpack_floats<T, kPack>(xp[k], f);
 #pragma unroll
-        for (int e = 0; e < kPack; ++e) {
-          const float d = kRms ? f[e] : f[e] - shift;
-          if constexpr (!kRms) sum += d;
-          sq = fmaf(d, d, sq);
-        }
+        for (int e = 0; e < kPack; ++e) lean_add<kRms>(f[e], shift, sum, sq);
       }
     }
   }

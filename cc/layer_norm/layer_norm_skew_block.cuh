@@ -108,9 +108,7 @@ __device__ __forceinline__ void forward_skew_body(const ForwardArgs& a, float2* 
     float xl = 0.0f;
     if (has_loose) {
       xl = to_acc(x[start + lc]);
-      const float d = kRms ? xl : xl - shift;
-      if constexpr (!kRms) sum += d;
-      sq = fmaf(d, d, sq);
+      lean_add<kRms>(xl, shift, sum, sq);
     }
     lean_load_pass<T, kPack, kRms, true>(xb, cache, npacks, shift, sum, sq);
     block_sum2_lean(sum, sq, scratch);
@@ -135,8 +133,10 @@ __device__ __forceinline__ void forward_skew_body(const ForwardArgs& a, float2* 
                                                             shift, rstd, c);
     });
     if (has_loose) {
-      const float sl = to_acc(scale[lc]);
-      yr[lc] = from_acc<T>(kRms ? (xl * rstd) * sl : fmaf(fmaf(xl - shift, rstd, c), sl, to_acc(bias[lc])));
+      const float f[1] = {xl}, sf[1] = {to_acc(scale[lc])}, bf[1] = {kRms ? 0.0f : to_acc(bias[lc])};
+      float out[1];
+      lean_outputs<1, kRms>(f, sf, bf, shift, rstd, c, out);
+      yr[lc] = from_acc<T>(out[0]);
     }
     if (threadIdx.x == 0) {
       if (!kRms && a.mean) static_cast<float*>(a.mean)[row] = shift + mean_rel;
