@@ -86,16 +86,14 @@ void backward_row_in_place(const T* ys, const T* gs, const bool* keep, T* out, f
     }
   };
   if (!log) {  // dx = y (dy - sum(dy y))
-    if constexpr (kMasked) {
-      const float s = static_cast<float>(cpu::lane_sum_of<W>(
+    float s;
+    if constexpr (kMasked)
+      s = static_cast<float>(cpu::lane_sum_of<W>(
           cols, [&](int64_t i) { return kept_vec(i, cpu::load_floats<W>(gs + i) * cpu::load_floats<W>(ys + i)); },
           [&](int64_t i) { return kept(i, cpu::to_float(gs[i]) * cpu::to_float(ys[i])); }));
-      for (int64_t c = 0; c < cols; ++c)
-        out[c] = cpu::from_float<T>(kept(c, cpu::to_float(ys[c]) * (cpu::to_float(gs[c]) - s)));
-    } else {
-      const float s = static_cast<float>(cpu::lane_dot<W>(gs, ys, cols));
-      for (int64_t c = 0; c < cols; ++c) out[c] = cpu::from_float<T>(cpu::to_float(ys[c]) * (cpu::to_float(gs[c]) - s));
-    }
+    else
+      s = static_cast<float>(cpu::lane_dot<W>(gs, ys, cols));
+    for (int64_t c = 0; c < cols; ++c) out[c] = cpu::from_float<T>(kept(c, cpu::to_float(ys[c]) * (cpu::to_float(gs[c]) - s)));
     return;
   }
   // dx = dy - exp(y) sum(dy)
