@@ -9,6 +9,7 @@
 #include "layer_norm/layer_norm_async_fwd.cuh"
 #include "layer_norm/layer_norm_lean_block.cuh"
 #include "layer_norm/layer_norm_skew_block.cuh"
+#include "layer_norm/layer_norm_skew_warp.cuh"
 
 namespace jaxops::layer_norm {
 namespace {
@@ -274,6 +275,27 @@ cudaError_t launch_skew(const ForwardArgs& a, const cuda::DeviceInfo& info, cuda
   return cuda::launch_kernel(kernel, static_cast<unsigned>(grid), threads, smem, stream, a);
 }
 
+// Rows that are not whole 16-byte packs past 256 columns, up to kWarpSkewMaxCols, with one parameter
+// group and 16-byte aligned pointers: a warp a row as head / packs / tail (forward_warp_skew).
+// Session 56, H100, us, forward_block_lean<T, 1> (257, 509) or forward_block_skew (1001, 2047) /
+// forward_warp_skew / XLA: f32 layer_norm 131072x257 174.6 / 94.2 / 143.8, 65536x509 162.0 / 93.3 /
+// 116.6, 65536x1001 207.8 / 180.3 / 209.7; bf16 131072x257 169.2 / 62.1 / 128.6, 65536x509 107.0 /
+// 50.6 / 81.9, 65536x1001 165.4 / 106.0 / 125.4, but 32768x2047 111.0 / 148.4 / 139.6 (8 packs a
+// lane spill), so longer rows keep the block kernel. Not up to 256 columns, where the scalar teams
+// stay ahead (bf16 508400x132 183.1 / 205.5, f32 1048576x63 205.6 / 319.4).
+constexpr int64_t kWarpSkewMaxCols = 1024;
+
+template <class T>
+cudaError_t launch_warp_skew(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
+  constexpr int kPack = kVecPack<T>;
+  const int64_t per_lane = (a.shape.cols / kPack + 31) / 32;
+  if (per_lane <= 1) return launch_team_kernel(forward_warp_skew<T, kPack, 1>, 32, 1, false, a, info, stream);
+  if (per_lane <= 2) return launch_team_kernel(forward_warp_skew<T, kPack, 2>, 32, 1, false, a, info, stream);
+  if constexpr (kWarpSkewMaxCols / kPack > 128)  // (16-bit rows stop at 4 packs a lane)
+    if (per_lane > 4) return launch_team_kernel(forward_warp_skew<T, kPack, 8>, 32, 1, false, a, info, stream);
+  return launch_team_kernel(forward_warp_skew<T, kPack, 4>, 32, 1, false, a, info, stream);
+}
+
 template <class T, int kPack>
 cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
   const int64_t npacks = a.shape.cols / kPack;
@@ -307,14 +329,15 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
     // 211.1, 131072x257 230.3 / 174.4 / 283.1 / 143.6; bf16 65536x1001 311.9 / 212.3 / 165.1 /
     // 125.5, 16384x4095 375.4 / 236.0 / 97.9 / 120.2, 131072x257 235.0 / 169.0 / 262.3 / 128.6;
     // rms_norm alike (bf16 16384x4095 334.0 / 190.1 / 93.9 / 106.3). The skewed kernel reads 16-byte
-    // packs but runs a block a row: at 32-64 packs most of its threads idle, so rows of fewer
-    // than kSkewMinPacks packs (between the measured 64 and 125) keep the lean scalar kernel.
+    // packs but runs a block a row: at 32-64 packs most of its threads idle. Since session 56 rows
+    // of up to kWarpSkewMaxCols go a warp a row (launch_warp_skew), so the block kernel gets rows of
+    // 129 packs and more. The lean scalar kernel keeps rows whose pointers are not 16-byte aligned.
     if constexpr (kPack == 1 && sizeof(T) <= 4) {
       if (a.shape.groups == 1) {
-        constexpr int64_t kSkewMinPacks = 96;
         // (forward_pack over kVecPack columns: whether the pointers alone are 16-byte aligned)
-        if (a.shape.cols / kVecPack<T> >= kSkewMinPacks && forward_pack<T>(a, kVecPack<T>) == kVecPack<T>)
-          return launch_skew<T>(a, info, stream);
+        if (forward_pack<T>(a, kVecPack<T>) == kVecPack<T>)
+          return a.shape.cols <= kWarpSkewMaxCols ? launch_warp_skew<T>(a, info, stream)
+                                                  : launch_skew<T>(a, info, stream);
         kernel = forward_block_lean<T, kPack>;
         persistent = false;
       }
