@@ -5,6 +5,7 @@
 
 #include "layer_norm/layer_norm_cuda.h"
 #include "layer_norm/layer_norm_bwd_kernels.cuh"
+#include "layer_norm/layer_norm_skew_bwd.cuh"
 #include "layer_norm/layer_norm_launch.cuh"
 #include "layer_norm/layer_norm_lean_bwd.cuh"
 #include "layer_norm/layer_norm_long_bwd.cuh"
@@ -428,6 +429,23 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
         return launch_slotted<T>(backward_rows<T, kPack, kRowPacks>, a, info, threads, smem, stream, 2);
       }
     }
+  }
+  // Rows that are not whole 16-byte packs past 256 columns, one parameter group, 16-byte aligned
+  // pointers: head / packs / tail (backward_block_skew) instead of one element a load, from
+  // kSkewBwdMinPacks packs. Session 56, H100, us, backward_block<T, 1> / backward_block_skew / XLA:
+  // f32 layer_norm_bwd 131072x257 304.8 / 285.2 / 639.3, 65536x1001 505.6 / 339.9 / 803.6, 16384x4095
+  // 471.3 / 389.5 / 732.6; rms_norm_bwd 299.2 / 276.6 / 267.9, 493.5 / 320.0 / 500.8, 467.3 / 352.4 /
+  // 473.5; bf16 rms_norm_bwd 65536x1001 493.7 / 287.4 / 274.5, 16384x4095 433.5 / 238.3 / 275.3, but
+  // 131072x257 (32 packs) 294.2 / 330.2 / 149.0 (layer_norm_bwd 303.0 / 374.8).
+  if constexpr (kPack == 1 && sizeof(T) <= 4) {
+    constexpr int kVec = kVecPack<T>;
+    constexpr int64_t kSkewBwdMinPacks = 64;
+    const void* ptrs[] = {a.x, a.dy, a.dx, a.scale};
+    const size_t skew_smem = skew_bwd_smem<T, kVec>(a.shape.cols, num_acc(a.shape.rms));
+    if (a.shape.groups == 1 && a.shape.cols / kVec >= kSkewBwdMinPacks &&
+        cuda::pack_size_for<T>(kVec, ptrs, 4) == kVec && skew_smem <= dynamic_smem_limit(info, 64 * sizeof(float)))
+      return launch_slotted<T>(backward_block_skew<T, kVec>, a, info, block_threads(a.shape.cols / kVec, 2),
+                               skew_smem, stream);
   }
   // Rows no register-row kernel takes: not whole 16-byte packs, float64, longer than a cluster of
   // 16 blocks holds, or before Hopper.

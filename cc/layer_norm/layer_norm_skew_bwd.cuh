@@ -1,0 +1,107 @@
+// Session 56: the backward of rows that are not whole 16-byte packs past 256 columns (from
+// kSkewBwdMinPacks packs), as backward_block<T, 1, true> (a block a slot of rows, x / dy and the
+// column sums in shared memory, the same arithmetic: pack_sums / pack_dx) but reading each row as a
+// head, 16-byte packs and a tail (layer_norm_skew_block.cuh). backward_block<T, 1> read one
+// element a load: rms_norm_bwd 0.47-0.77x XLA past 256 columns (H200, session 51).
+// A column's accumulator is touched by the thread that holds the column in this row, which moves
+// with the row's head; rows are ordered by the row sums' barriers (a row's dx pass, then the next
+// row's sums pass, block_sum2, its dx pass), and the accumulators get barriers of their own after
+// they are zeroed and before they are written out.
+#pragma once
+#include "layer_norm/layer_norm_bwd_kernels.cuh"
+#include "layer_norm/layer_norm_skew_block.cuh"
+
+namespace jaxops::layer_norm {
+
+// Shared memory of backward_block_skew: nacc x cols float accumulators (rounded up to whole
+// 16-byte packs), then the row's x packs and dy packs.
+template <class T, int kPack>
+inline size_t skew_bwd_smem(int64_t cols, int nacc) {
+  return sizeof(float) * nacc * static_cast<size_t>((cols + 3) / 4 * 4) + 2 * 16 * static_cast<size_t>(cols / kPack);
+}
+
+template <class T, int kPack>
+__global__ void __launch_bounds__(1024) backward_block_skew(BackwardArgs a, int64_t used) {
+  static_assert(sizeof(T) <= 4 && kPack * sizeof(T) == 16, "16-byte packs of float / 16-bit types");
+  cuda::enter_kernel();
+  using A = float;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ A scratch[64];
+  const Shape s = a.shape;
+  const int nacc = num_acc(s.rms);
+  const int cols = static_cast<int>(s.cols);
+  A* acc = reinterpret_cast<A*>(smem_raw);
+  T* xc = reinterpret_cast<T*>(smem_raw + sizeof(A) * nacc * ((cols + 3) / 4 * 4));
+  T* dyc = xc + cols / kPack * kPack;
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  T* dx = static_cast<T*>(a.dx);
+  for (int64_t slot = blockIdx.x; slot < s.groups * used; slot += gridDim.x) {
+    const int64_t g = slot / used, j = slot % used;
+    int64_t begin, end;
+    slot_rows(s, g, j, used, &begin, &end);
+    const T* scale = static_cast<const T*>(a.scale) + g * s.cols;
+    for (int c = threadIdx.x; c < nacc * cols; c += blockDim.x) acc[c] = A(0);
+    __syncthreads();
+    for (int64_t row = begin; row < end; ++row) {
+      A mean, rstd;
+      row_stats<T>(a, row, mean, rstd);
+      const int64_t start = row * s.cols;
+      const int head = static_cast<int>((kPack - start % kPack) % kPack);
+      const int npacks = (cols - head) / kPack;
+      const int loose = cols - npacks * kPack;  // head + tail, < 2 kPack <= blockDim.x
+      const int lc = threadIdx.x < head ? threadIdx.x : threadIdx.x + npacks * kPack;
+      const bool has_loose = threadIdx.x < loose;
+      with_head<0, kPack>(head, [&](auto h) {
+        constexpr int kHead = decltype(h)::value;
+        A sum_g = 0, sum_gx = 0;
+        Pack<T, 1> xl, dl, sl;
+        if (has_loose) {
+          xl.v[0] = x[start + lc];
+          dl.v[0] = dy[start + lc];
+          sl.v[0] = scale[lc];
+          pack_sums<T, 1>(xl, dl, sl, mean, rstd, sum_g, sum_gx);
+        }
+#pragma unroll 4
+        for (int p = threadIdx.x; p < npacks; p += blockDim.x) {
+          const auto xp = load_pack<T, kPack>(x + start + head + p * kPack);
+          const auto dp = load_pack<T, kPack>(dy + start + head + p * kPack);
+          store_pack(xc + p * kPack, xp);
+          store_pack(dyc + p * kPack, dp);
+          pack_sums<T, kPack>(xp, dp, skewed_param<kHead, T, kPack>(scale, p, cols), mean, rstd, sum_g, sum_gx);
+        }
+        block_sum2(sum_g, sum_gx, scratch);
+        const A mg = s.rms ? A(0) : sum_g / A(s.cols), mgx = sum_gx / A(s.cols);
+        for (int p = threadIdx.x; p < npacks; p += blockDim.x) {
+          const int c0 = kHead + p * kPack;
+          A as[kPack], ab[kPack];
+#pragma unroll
+          for (int e = 0; e < kPack; ++e) {
+            as[e] = acc[c0 + e];
+            ab[e] = nacc == 2 ? acc[cols + c0 + e] : A(0);
+          }
+          store_pack(dx + start + c0,
+                     pack_dx<T, kPack>(load_pack<T, kPack>(xc + p * kPack), load_pack<T, kPack>(dyc + p * kPack),
+                                       skewed_param<kHead, T, kPack>(scale, p, cols), mean, rstd, mg, mgx, as, ab));
+#pragma unroll
+          for (int e = 0; e < kPack; ++e) {
+            acc[c0 + e] = as[e];
+            if (nacc == 2) acc[cols + c0 + e] = ab[e];
+          }
+        }
+        if (has_loose) {
+          A as[1] = {acc[lc]}, ab[1] = {nacc == 2 ? acc[cols + lc] : A(0)};
+          dx[start + lc] = pack_dx<T, 1>(xl, dl, sl, mean, rstd, mg, mgx, as, ab).v[0];
+          acc[lc] = as[0];
+          if (nacc == 2) acc[cols + lc] = ab[0];
+        }
+      });
+    }
+    __syncthreads();  // every row's column sums are in
+    A* out = slot_ptr<T>(a, g, j);
+    for (int c = threadIdx.x; c < nacc * cols; c += blockDim.x) out[c] = acc[c];
+    __syncthreads();  // read out before the next slot zeroes them
+  }
+}
+
+}  // namespace jaxops::layer_norm
