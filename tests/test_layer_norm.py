@@ -675,7 +675,7 @@ def test_misaligned_rows_fall_back_to_scalar_packs(key):
 
 @gpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("cols", [5, 21, 31, 33, 63, 97, 131, 255, 257, 509, 1001])
+@pytest.mark.parametrize("cols", [5, 21, 31, 33, 63, 97, 131, 255, 257, 509, 1001, 2047])
 def test_misaligned_rows_gpu(key, dtype, cols):
     # Rows that are not whole 16-byte packs (float32 odd widths; 16-bit widths not a multiple of
     # 8) take one-element packs. Up to 256 columns the lean team kernels (session 53; float32
@@ -683,10 +683,13 @@ def test_misaligned_rows_gpu(key, dtype, cols):
     # teams). Forward: 5 columns 4 lanes of 2, 21 and 31 8 lanes of 4 (21: lanes 5-7 idle in the
     # third round, all in the fourth), 33 and 63 16 lanes of 4, 97 16 lanes of 8, 131-256 a full
     # warp of 8. Backward: one element a lane up to 32 columns, then a full warp of 2-8. One block
-    # a row past 256. Forward past 256 (session 55): forward_block_lean one element a load (257;
-    # 509 for 16-bit types), forward_block_skew's head / 16-byte packs / tail from 96 packs (509
-    # float32, 1001); per-example parameters under vmap forward_block. 3001 rows leave partial iterations. Both gradients; per-example
-    # parameters under vmap, with dscale / dbias bit-identical over two runs.
+    # a row past 256. Forward past 256: a warp a row up to 1024 columns (session 56,
+    # forward_warp_skew: 1-8 packs a lane between a head and a tail, the row's own skew at each of
+    # 3001 rows), forward_block_skew past that (2047); per-example parameters under vmap
+    # forward_block. Backward past 256: backward_block_skew from 64 packs (float32 257-2047, 16-bit
+    # 1001 and 2047), one element a load below (16-bit 257 / 509). 3001 rows leave partial
+    # iterations. Both gradients; per-example parameters under vmap, with dscale / dbias
+    # bit-identical over two runs.
     x, scale, bias = _check_forward(key, dtype, 3001, cols, 3.0)
     _check_both_grads(x, scale, bias, dtype)
     _check_grouped(key, dtype, 3, 101, cols)
