@@ -336,6 +336,14 @@ cudaError_t launch_wide(const BackwardArgs& a, const cuda::DeviceInfo& info, cud
   return cudaErrorInvalidValue;  // unreachable: the caller checked the capacity
 }
 
+// The largest pack (elements per access, up to 16 bytes) that divides `cols` and the alignment of
+// x, dy, dx and scale (forward_pack's twin).
+template <class T>
+int backward_pack(const BackwardArgs& a, int64_t cols) {
+  const void* ptrs[] = {a.x, a.dy, a.dx, a.scale};
+  return cuda::pack_size_for<T>(cols, ptrs, 4);
+}
+
 template <class T, int kPack>
 cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
   using A = acc_t<T>;
@@ -440,10 +448,10 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
   if constexpr (kPack == 1 && sizeof(T) <= 4) {
     constexpr int kVec = kVecPack<T>;
     constexpr int64_t kSkewBwdMinPacks = 64;
-    const void* ptrs[] = {a.x, a.dy, a.dx, a.scale};
     const size_t skew_smem = skew_bwd_smem<T, kVec>(a.shape.cols, num_acc(a.shape.rms));
-    if (a.shape.groups == 1 && a.shape.cols / kVec >= kSkewBwdMinPacks &&
-        cuda::pack_size_for<T>(kVec, ptrs, 4) == kVec && skew_smem <= dynamic_smem_limit(info, 64 * sizeof(float)))
+    // (backward_pack over kVec columns: whether the pointers alone are 16-byte aligned)
+    if (a.shape.groups == 1 && a.shape.cols / kVec >= kSkewBwdMinPacks && backward_pack<T>(a, kVec) == kVec &&
+        skew_smem <= dynamic_smem_limit(info, 64 * sizeof(float)))
       return launch_slotted<T>(backward_block_skew<T, kVec>, a, info, block_threads(a.shape.cols / kVec, 2),
                                skew_smem, stream);
   }
@@ -468,8 +476,7 @@ template <class T>
 cudaError_t backward_typed(const BackwardArgs& a, cudaStream_t stream) {
   cuda::DeviceInfo info;
   if (cudaError_t err = cuda::device_info(&info); err != cudaSuccess) return err;
-  const void* ptrs[] = {a.x, a.dy, a.dx, a.scale};
-  if (cuda::pack_size_for<T>(a.shape.cols, ptrs, 4) == kVecPack<T>)
+  if (backward_pack<T>(a, a.shape.cols) == kVecPack<T>)
     return backward_packed<T, kVecPack<T>>(a, info, stream);
   return backward_packed<T, 1>(a, info, stream);
 }
