@@ -64,6 +64,16 @@ __device__ __forceinline__ void lean_outputs(const float (&f)[kPack], const floa
   }
 }
 
+// lean_outputs for one element x of column `col` (the head / tail elements of the skewed kernels).
+template <class T, bool kRms>
+__device__ __forceinline__ T lean_output_at(float x, const T* scale, const T* bias, int col, float shift, float rstd,
+                                            float c) {
+  const float f[1] = {x}, sf[1] = {to_acc(scale[col])}, bf[1] = {kRms ? 0.0f : to_acc(bias[col])};
+  float out[1];
+  lean_outputs<1, kRms>(f, sf, bf, shift, rstd, c, out);
+  return from_acc<T>(out[0]);
+}
+
 // The third pass, for rows whose shifted variance is untrusted: this thread's sum of squares
 // around the mean (x - shift - mean_rel) over its packs of `row` (cached or in global memory).
 template <class T, int kPack>

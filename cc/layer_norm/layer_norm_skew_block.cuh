@@ -132,12 +132,7 @@ __device__ __forceinline__ void forward_skew_body(const ForwardArgs& a, float2* 
       write_skewed_packs<decltype(h)::value, T, kPack, kRms>(cache, yr + head, row_scale, row_bias, npacks, cols,
                                                             shift, rstd, c);
     });
-    if (has_loose) {
-      const float f[1] = {xl}, sf[1] = {to_acc(scale[lc])}, bf[1] = {kRms ? 0.0f : to_acc(bias[lc])};
-      float out[1];
-      lean_outputs<1, kRms>(f, sf, bf, shift, rstd, c, out);
-      yr[lc] = from_acc<T>(out[0]);
-    }
+    if (has_loose) yr[lc] = lean_output_at<T, kRms>(xl, scale, bias, lc, shift, rstd, c);
     if (threadIdx.x == 0) {
       if (!kRms && a.mean) static_cast<float*>(a.mean)[row] = shift + mean_rel;
       static_cast<float*>(a.rstd)[row] = rstd;

@@ -72,21 +72,28 @@ __global__ void __launch_bounds__(1024) backward_block_skew(BackwardArgs a, int6
         }
         block_sum2(sum_g, sum_gx, scratch);
         const A mg = s.rms ? A(0) : sum_g / A(s.cols), mgx = sum_gx / A(s.cols);
+        // The column sums are indexed from the row's head as a value the compiler cannot see
+        // (kHead is): with kHead = 1, ptxas merged a pack's loads at 16-byte offsets 4, 8, 12 into
+        // one 16-byte load from offset 0, reading (and dropping) the previous thread's last column
+        // while that thread wrote it. Harmless, but racecheck reported it (session 57: 32 hazards
+        // at warp boundaries), and such noise hides real races. (volatile loads instead spilled.)
+        int acc_head = head;
+        asm("" : "+r"(acc_head));
         for (int p = threadIdx.x; p < npacks; p += blockDim.x) {
-          const int c0 = kHead + p * kPack;
+          const int c0 = kHead + p * kPack, ca = acc_head + p * kPack;
           A as[kPack], ab[kPack];
 #pragma unroll
           for (int e = 0; e < kPack; ++e) {
-            as[e] = acc[c0 + e];
-            ab[e] = nacc == 2 ? acc[cols + c0 + e] : A(0);
+            as[e] = acc[ca + e];
+            ab[e] = nacc == 2 ? acc[cols + ca + e] : A(0);
           }
           store_pack(dx + start + c0,
                      pack_dx<T, kPack>(load_pack<T, kPack>(xc + p * kPack), load_pack<T, kPack>(dyc + p * kPack),
                                        skewed_param<kHead, T, kPack>(scale, p, cols), mean, rstd, mg, mgx, as, ab));
 #pragma unroll
           for (int e = 0; e < kPack; ++e) {
-            acc[c0 + e] = as[e];
-            if (nacc == 2) acc[cols + c0 + e] = ab[e];
+            acc[ca + e] = as[e];
+            if (nacc == 2) acc[cols + ca + e] = ab[e];
           }
         }
         if (has_loose) {

@@ -76,10 +76,7 @@ __device__ __forceinline__ void forward_warp_skew_body(const ForwardArgs& a) {
         }
       }
     });
-    if (has_loose) {
-      const float sl = to_acc(scale[lc]);
-      yr[lc] = from_acc<T>(kRms ? (xl * rstd) * sl : fmaf(fmaf(xl - shift, rstd, c), sl, to_acc(bias[lc])));
-    }
+    if (has_loose) yr[lc] = lean_output_at<T, kRms>(xl, scale, bias, lc, shift, rstd, c);
     if (lane == 0) {
       if (!kRms && a.mean) static_cast<float*>(a.mean)[row] = shift + mean_rel;
       static_cast<float*>(a.rstd)[row] = rstd;
