@@ -149,7 +149,11 @@ def _batch_norm_inference_cases(key, size):
 def _norm_cases(key, size, with_bias):
     shapes = [((5, 48), jnp.float32), ((3, 7, 130), jnp.bfloat16)] if size == "small" else \
         [((2048, 1024), jnp.float32), ((512, 4096), jnp.bfloat16), ((8, 65536), jnp.float32),
-         ((37, 2056), jnp.bfloat16), ((3, 262152), jnp.float32)]  # pair-row / long-row backward
+         ((37, 2056), jnp.bfloat16), ((3, 262152), jnp.float32),  # pair-row / long-row backward
+         # rows that are not whole 16-byte packs (each row starts at a different alignment): the
+         # skewed forwards and backward_block_skew (whose racecheck report session 57 fixed), and
+         # the 16-bit lean team at 257-512 columns
+         ((301, 1001), jnp.float32), ((65, 2047), jnp.bfloat16), ((129, 300), jnp.float16)]
     cases = []
     for i, (shape, dtype) in enumerate(shapes):
         kx, ks, kb = _keys(jax.random.fold_in(key, i), 3)
