@@ -687,7 +687,7 @@ def test_misaligned_rows_gpu(key, dtype, cols):
     # forward_warp_skew: 1-8 packs a lane between a head and a tail, the row's own skew at each of
     # 3001 rows), forward_block_skew past that (2047); per-example parameters under vmap
     # forward_block. Backward past 256: backward_block_skew from 64 packs (float32 257-2047, 16-bit
-    # 1001 and 2047), one element a load below (16-bit 257 / 509). 3001 rows leave partial
+    # 1001 and 2047), 16-bit 257 / 509 on the lean team, 16 elements a lane (session 57). 3001 rows leave partial
     # iterations. Both gradients; per-example parameters under vmap, with dscale / dbias
     # bit-identical over two runs.
     x, scale, bias = _check_forward(key, dtype, 3001, cols, 3.0)

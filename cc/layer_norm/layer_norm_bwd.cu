@@ -371,7 +371,7 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
   if (npacks <= kMaxTeamPacks) return launch_wide<T, kPack>(a, info, stream, team_packs(npacks));
   // 16-bit rows that are not whole 16-byte packs, 257-512 columns: the scalar lean team with 16
   // columns a lane (register column sums; 114-116 registers, no spill) instead of
-  // backward_block<T, 1> (a block a row, one element a load; backward_block_skew takes over from
+  // backward_block<T, 1> (a block a row, one element a load; backward_block_skew takes over past
   // 512 columns). H100, session 57 run 1, us, backward_block<T, 1> -> team / XLA: bf16
   // rms_norm_bwd 131072x257 293.7 -> 134.2 / 149.1, 131072x300 309.6 -> 140.5 / 165.7, 65536x509
   // 243.0 -> 110.2 / 144.1; layer_norm_bwd 302.3 -> 139.6 / 580.7, 318.9 -> 145.9 / 415.3, 249.7 ->

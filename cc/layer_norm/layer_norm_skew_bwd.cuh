@@ -6,7 +6,8 @@
 // A column's accumulator is touched by the thread that holds the column in this row, which moves
 // with the row's head; rows are ordered by the row sums' barriers (a row's dx pass, then the next
 // row's sums pass, block_sum2, its dx pass), and the accumulators get barriers of their own after
-// they are zeroed and before they are written out.
+// they are zeroed and before they are written out. Loads must stay exactly a thread's own columns
+// (see the dx pass).
 #pragma once
 #include "layer_norm/layer_norm_bwd_kernels.cuh"
 #include "layer_norm/layer_norm_skew_block.cuh"
@@ -72,13 +73,15 @@ __global__ void __launch_bounds__(1024) backward_block_skew(BackwardArgs a, int6
         }
         block_sum2(sum_g, sum_gx, scratch);
         const A mg = s.rms ? A(0) : sum_g / A(s.cols), mgx = sum_gx / A(s.cols);
-        // The column sums are indexed from the row's head as a value the compiler cannot see
-        // (kHead is): with kHead = 1, ptxas merged a pack's loads at 16-byte offsets 4, 8, 12 into
-        // one 16-byte load from offset 0, reading (and dropping) the previous thread's last column
-        // while that thread wrote it. Harmless, but racecheck reported it (session 57: 32 hazards
-        // at warp boundaries), and such noise hides real races. It costs the 16-bit kernels 6-10 %
-        // (H100, session 57 run 4: bf16 rms_norm_bwd 65536x1001 287.0 -> 311.4 us; float32 <= 1 %);
-        // opaque only for odd heads won back ~1 %, volatile loads spilled.
+        // The column sums are indexed from the row's head passed through an empty asm rather
+        // than from kHead: with kHead = 1, ptxas merged a pack's loads at 16-byte offsets 4, 8, 12
+        // into one 16-byte load from offset 0, reading (and dropping) the previous thread's last
+        // column while that thread wrote it. Harmless, but racecheck reported it (session 57: 32
+        // hazards at warp boundaries), and such noise hides real races. The asm hides the value
+        // from NVVM only (ptxas still folds kHead in places), so the check is the SASS
+        // (tools/sass_overread.py: no widened load) and racecheck (0 hazards). It costs the 16-bit
+        // kernels 6-10 % (H100, session 57 run 4: bf16 rms_norm_bwd 65536x1001 287.0 -> 311.4 us;
+        // float32 <= 1 %); opaque only for odd heads won back ~1 %, volatile loads spilled.
         int acc_head = head;
         asm("" : "+r"(acc_head));
         for (int p = threadIdx.x; p < npacks; p += blockDim.x) {
