@@ -21,6 +21,46 @@ inline size_t skew_bwd_smem(int64_t cols, int nacc) {
   return sizeof(float) * nacc * static_cast<size_t>((cols + 3) / 4 * 4) + 2 * 16 * static_cast<size_t>(cols / kPack);
 }
 
+// kPack column sums of columns c0 .. c0 + kPack - 1, c0 = kHead + p * kPack (so c0 % 4 == kHead % 4
+// is known at compile time): 16- and 8-byte accesses where the columns fill them, single words at
+// the edges through `opaque` (the same address, laundered through a shuffle) so that ptxas cannot
+// merge an edge word into a wider load reaching the neighbouring thread's columns.
+template <int kHead, int kPack, int kE = 0>
+__device__ __forceinline__ void load_sums(const float* aligned, const float* opaque, float (&v)[kPack]) {
+  if constexpr (kE < kPack) {
+    constexpr int kPos = (kHead + kE) % 4;
+    if constexpr (kPos == 0 && kE + 4 <= kPack) {
+      const float4 q = *reinterpret_cast<const float4*>(aligned + kE);
+      v[kE] = q.x, v[kE + 1] = q.y, v[kE + 2] = q.z, v[kE + 3] = q.w;
+      load_sums<kHead, kPack, kE + 4>(aligned, opaque, v);
+    } else if constexpr (kPos % 2 == 0 && kE + 2 <= kPack) {
+      const float2 q = *reinterpret_cast<const float2*>(aligned + kE);
+      v[kE] = q.x, v[kE + 1] = q.y;
+      load_sums<kHead, kPack, kE + 2>(aligned, opaque, v);
+    } else {
+      v[kE] = opaque[kE];
+      load_sums<kHead, kPack, kE + 1>(aligned, opaque, v);
+    }
+  }
+}
+
+template <int kHead, int kPack, int kE = 0>
+__device__ __forceinline__ void store_sums(float* aligned, const float (&v)[kPack]) {
+  if constexpr (kE < kPack) {
+    constexpr int kPos = (kHead + kE) % 4;
+    if constexpr (kPos == 0 && kE + 4 <= kPack) {
+      *reinterpret_cast<float4*>(aligned + kE) = make_float4(v[kE], v[kE + 1], v[kE + 2], v[kE + 3]);
+      store_sums<kHead, kPack, kE + 4>(aligned, v);
+    } else if constexpr (kPos % 2 == 0 && kE + 2 <= kPack) {
+      *reinterpret_cast<float2*>(aligned + kE) = make_float2(v[kE], v[kE + 1]);
+      store_sums<kHead, kPack, kE + 2>(aligned, v);
+    } else {
+      aligned[kE] = v[kE];
+      store_sums<kHead, kPack, kE + 1>(aligned, v);
+    }
+  }
+}
+
 template <class T, int kPack>
 __global__ void __launch_bounds__(1024) backward_block_skew(BackwardArgs a, int64_t used) {
   static_assert(sizeof(T) <= 4 && kPack * sizeof(T) == 16, "16-byte packs of float / 16-bit types");
@@ -31,6 +71,7 @@ __global__ void __launch_bounds__(1024) backward_block_skew(BackwardArgs a, int6
   const Shape s = a.shape;
   const int nacc = num_acc(s.rms);
   const int cols = static_cast<int>(s.cols);
+  const int stride = (cols + 3) / 4 * 4;  // the second accumulator's offset (16-byte aligned)
   A* acc = reinterpret_cast<A*>(smem_raw);
   T* xc = reinterpret_cast<T*>(smem_raw + sizeof(A) * nacc * ((cols + 3) / 4 * 4));
   T* dyc = xc + cols / kPack * kPack;
@@ -42,7 +83,7 @@ __global__ void __launch_bounds__(1024) backward_block_skew(BackwardArgs a, int6
     int64_t begin, end;
     slot_rows(s, g, j, used, &begin, &end);
     const T* scale = static_cast<const T*>(a.scale) + g * s.cols;
-    for (int c = threadIdx.x; c < nacc * cols; c += blockDim.x) acc[c] = A(0);
+    for (int c = threadIdx.x; c < nacc * stride; c += blockDim.x) acc[c] = A(0);
     __syncthreads();
     for (int64_t row = begin; row < end; ++row) {
       A mean, rstd;
@@ -73,45 +114,41 @@ __global__ void __launch_bounds__(1024) backward_block_skew(BackwardArgs a, int6
         }
         block_sum2(sum_g, sum_gx, scratch);
         const A mg = s.rms ? A(0) : sum_g / A(s.cols), mgx = sum_gx / A(s.cols);
-        // The column sums are indexed from the row's head passed through an empty asm rather
-        // than from kHead: with kHead = 1, ptxas merged a pack's loads at 16-byte offsets 4, 8, 12
-        // into one 16-byte load from offset 0, reading (and dropping) the previous thread's last
-        // column while that thread wrote it. Harmless, but racecheck reported it (session 57: 32
-        // hazards at warp boundaries), and such noise hides real races. The asm hides the value
-        // from NVVM only (ptxas still folds kHead in places), so the check is the SASS
-        // (tools/sass_overread.py: no widened load) and racecheck (0 hazards). It costs the 16-bit
-        // kernels 6-10 % (H100, session 57 run 4: bf16 rms_norm_bwd 65536x1001 287.0 -> 311.4 us;
-        // float32 <= 1 %); opaque only for odd heads won back ~1 %, volatile loads spilled.
-        int acc_head = head;
-        asm("" : "+r"(acc_head));
+        // The column sums go through exact 16- and 8-byte accesses chosen by the compile-time
+        // head, and single words at the row's edges through `edge_head`, the same head passed
+        // through a shuffle that ptxas cannot fold. Indexed from kHead alone, ptxas merged a head-1
+        // pack's loads at offsets 4, 8, 12 into one 16-byte load from offset 0, reading (and
+        // dropping) the previous thread's last column while that thread wrote it: harmless, but
+        // racecheck reported it (session 57: 32 hazards), and such noise hides real races. The
+        // check is the SASS (tools/sass_overread.py: no widened load) and racecheck (0 hazards).
+        // Session 57's fix (the head through an empty asm, scalar accesses) cost the 16-bit kernels
+        // 6-10 %; this one is faster than the racy kernel. H100, session 58 run 1, us (empty asm ->
+        // exact / XLA): bf16 rms_norm_bwd 65536x1001 312.0 -> 246.3 / 274.5, 16384x4095 261.9 ->
+        // 198.2 / 275.2; layer_norm_bwd 429.3 -> 273.8 / 591.8, 388.4 -> 236.5 / 522.8; float32
+        // rms_norm_bwd 16384x4095 355.7 -> 348.2, layer_norm_bwd 393.0 -> 367.3.
+        const int edge_head = __shfl_sync(0xffffffffu, head, 0);  // == kHead
         for (int p = threadIdx.x; p < npacks; p += blockDim.x) {
-          const int c0 = kHead + p * kPack, ca = acc_head + p * kPack;
-          A as[kPack], ab[kPack];
-#pragma unroll
-          for (int e = 0; e < kPack; ++e) {
-            as[e] = acc[ca + e];
-            ab[e] = nacc == 2 ? acc[cols + ca + e] : A(0);
-          }
+          const int c0 = kHead + p * kPack, ce = edge_head + p * kPack;
+          A as[kPack], ab[kPack] = {};
+          load_sums<kHead, kPack>(acc + c0, acc + ce, as);
+          if (nacc == 2) load_sums<kHead, kPack>(acc + stride + c0, acc + stride + ce, ab);
           store_pack(dx + start + c0,
                      pack_dx<T, kPack>(load_pack<T, kPack>(xc + p * kPack), load_pack<T, kPack>(dyc + p * kPack),
                                        skewed_param<kHead, T, kPack>(scale, p, cols), mean, rstd, mg, mgx, as, ab));
-#pragma unroll
-          for (int e = 0; e < kPack; ++e) {
-            acc[ca + e] = as[e];
-            if (nacc == 2) acc[cols + ca + e] = ab[e];
-          }
+          store_sums<kHead, kPack>(acc + c0, as);
+          if (nacc == 2) store_sums<kHead, kPack>(acc + stride + c0, ab);
         }
         if (has_loose) {
-          A as[1] = {acc[lc]}, ab[1] = {nacc == 2 ? acc[cols + lc] : A(0)};
+          A as[1] = {acc[lc]}, ab[1] = {nacc == 2 ? acc[stride + lc] : A(0)};
           dx[start + lc] = pack_dx<T, 1>(xl, dl, sl, mean, rstd, mg, mgx, as, ab).v[0];
           acc[lc] = as[0];
-          if (nacc == 2) acc[cols + lc] = ab[0];
+          if (nacc == 2) acc[stride + lc] = ab[0];
         }
       });
     }
     __syncthreads();  // every row's column sums are in
     A* out = slot_ptr<T>(a, g, j);
-    for (int c = threadIdx.x; c < nacc * cols; c += blockDim.x) out[c] = acc[c];
+    for (int c = threadIdx.x; c < nacc * cols; c += blockDim.x) out[c] = acc[c < cols ? c : c - cols + stride];
     __syncthreads();  // read out before the next slot zeroes them
   }
 }
