@@ -369,15 +369,18 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
     }
   }
   if (npacks <= kMaxTeamPacks) return launch_wide<T, kPack>(a, info, stream, team_packs(npacks));
-  // 16-bit rows that are not whole 16-byte packs, 257-512 columns: the scalar lean team with 16
-  // columns a lane (register column sums; 114-116 registers, no spill) instead of
-  // backward_block<T, 1> (a block a row, one element a load; backward_block_skew takes over past
-  // 512 columns). H100, session 57 run 1, us, backward_block<T, 1> -> team / XLA: bf16
+  // Rows that are not whole 16-byte packs, 257-512 columns: the scalar lean team with 16 columns
+  // a lane (register column sums; 16-bit 114-116 registers, float 121, no spill), float32
+  // rms_norm included (unlike scalar_lean's narrower teams). Before, 16-bit rows ran on
+  // backward_block<T, 1> (a block a row, one element a load), float32 ones on backward_block_skew
+  // (which takes over past 512 columns). H100, us, old -> team / XLA: session 57 run 1, bf16
   // rms_norm_bwd 131072x257 293.7 -> 134.2 / 149.1, 131072x300 309.6 -> 140.5 / 165.7, 65536x509
   // 243.0 -> 110.2 / 144.1; layer_norm_bwd 302.3 -> 139.6 / 580.7, 318.9 -> 145.9 / 415.3, 249.7 ->
-  // 114.6 / 395.6; float16 alike.
-  if constexpr (kPack == 1 && sizeof(T) == 2) {
-    if (npacks <= 16 * 32 && scalar_lean<T, kPack>(a)) return launch_team_lean<T, kPack, 16, 32, 0>(a, info, stream);
+  // 114.6 / 395.6; float16 alike. Session 58 run 1, float32 rms_norm_bwd 131072x257 273.7 -> 174.8
+  // / 270.1, 87381x383 210.9 -> 155.8 / 260.8, 65536x509 184.1 -> 159.2 / 259.8; layer_norm_bwd
+  // 283.0 -> 180.4 / 640.3, 221.7 -> 175.9 / 500.0, 196.0 -> 164.6 / 483.7.
+  if constexpr (kPack == 1 && sizeof(T) <= 4) {
+    if (npacks <= 16 * 32 && a.shape.cols > 1) return launch_team_lean<T, kPack, 16, 32, 0>(a, info, stream);
   }
 
   if constexpr (kPack > 1 && sizeof(T) < 8) {
