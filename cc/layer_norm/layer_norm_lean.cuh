@@ -247,7 +247,7 @@ __device__ __forceinline__ void forward_lean_body(const ForwardArgs& a) {
 // 40 bytes, 72 116), float 128 (96 spilled 16); the rest as forward_team.
 template <class T>
 constexpr int lean_min_blocks(int packs, int width, int bytes) {
-  if (width == 16 && packs >= 16) return 6;  // float 16 a lane on 16 lanes: 80 registers
+  if (width == 16 && packs >= 16) return 6;  // float 16 a lane on 16 lanes: 80 registers (9: spilled 108 B)
   if (packs == 1 || width < 32) return bytes > 16 ? 9 : 12;
   if (bytes / static_cast<int>(sizeof(T)) >= 64) return sizeof(T) == 2 ? 5 : 4;
   if (sizeof(T) == 2 && packs >= 2) return packs >= 4 ? 9 : 10;  // (2 packs: 40 spilled 16 B on sm_80)
