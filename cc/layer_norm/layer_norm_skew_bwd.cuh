@@ -9,6 +9,8 @@
 // they are zeroed and before they are written out. Loads must stay exactly a thread's own columns
 // (see the dx pass).
 #pragma once
+#include <type_traits>
+
 #include "layer_norm/layer_norm_bwd_kernels.cuh"
 #include "layer_norm/layer_norm_skew_block.cuh"
 
@@ -21,44 +23,51 @@ inline size_t skew_bwd_smem(int64_t cols, int nacc) {
   return sizeof(float) * nacc * static_cast<size_t>((cols + 3) / 4 * 4) + 2 * 16 * static_cast<size_t>(cols / kPack);
 }
 
-// kPack column sums of columns c0 .. c0 + kPack - 1, c0 = kHead + p * kPack (so c0 % 4 == kHead % 4
-// is known at compile time): 16- and 8-byte accesses where the columns fill them, single words at
-// the edges through `opaque` (the same address, laundered through a shuffle) so that ptxas cannot
-// merge an edge word into a wider load reaching the neighbouring thread's columns.
-template <int kHead, int kPack, int kE = 0>
-__device__ __forceinline__ void load_sums(const float* aligned, const float* opaque, float (&v)[kPack]) {
+// Calls f(kE, width) over a pack's kPack column sums, columns c0 .. c0 + kPack - 1 with
+// c0 = kHead + p * kPack (so c0 % 4 == kHead % 4 is known at compile time), in the widest chunks
+// (4, 2 or 1 words) whose start is aligned to their size: the accesses are exactly the pack's own
+// columns, so ptxas has nothing to merge across a neighbour's words.
+template <int kHead, int kPack, int kE = 0, class F>
+__device__ __forceinline__ void for_each_sum_chunk(F&& f) {
   if constexpr (kE < kPack) {
     constexpr int kPos = (kHead + kE) % 4;
-    if constexpr (kPos == 0 && kE + 4 <= kPack) {
-      const float4 q = *reinterpret_cast<const float4*>(aligned + kE);
-      v[kE] = q.x, v[kE + 1] = q.y, v[kE + 2] = q.z, v[kE + 3] = q.w;
-      load_sums<kHead, kPack, kE + 4>(aligned, opaque, v);
-    } else if constexpr (kPos % 2 == 0 && kE + 2 <= kPack) {
-      const float2 q = *reinterpret_cast<const float2*>(aligned + kE);
-      v[kE] = q.x, v[kE + 1] = q.y;
-      load_sums<kHead, kPack, kE + 2>(aligned, opaque, v);
-    } else {
-      v[kE] = opaque[kE];
-      load_sums<kHead, kPack, kE + 1>(aligned, opaque, v);
-    }
+    constexpr int kWidth = kPos == 0 && kE + 4 <= kPack ? 4 : kPos % 2 == 0 && kE + 2 <= kPack ? 2 : 1;
+    f(std::integral_constant<int, kE>{}, std::integral_constant<int, kWidth>{});
+    for_each_sum_chunk<kHead, kPack, kE + kWidth>(f);
   }
 }
 
-template <int kHead, int kPack, int kE = 0>
+// Loads a pack's column sums from `aligned`; single words come through `opaque` (the same address
+// from a head laundered through a shuffle): ptxas could otherwise merge an edge word into a wider
+// load reaching the neighbouring thread's columns.
+template <int kHead, int kPack>
+__device__ __forceinline__ void load_sums(const float* aligned, const float* opaque, float (&v)[kPack]) {
+  for_each_sum_chunk<kHead, kPack>([&](auto e, auto width) {
+    constexpr int kE = decltype(e)::value, kWidth = decltype(width)::value;
+    if constexpr (kWidth == 4) {
+      const float4 q = *reinterpret_cast<const float4*>(aligned + kE);
+      v[kE] = q.x, v[kE + 1] = q.y, v[kE + 2] = q.z, v[kE + 3] = q.w;
+    } else if constexpr (kWidth == 2) {
+      const float2 q = *reinterpret_cast<const float2*>(aligned + kE);
+      v[kE] = q.x, v[kE + 1] = q.y;
+    } else {
+      v[kE] = opaque[kE];
+    }
+  });
+}
+
+template <int kHead, int kPack>
 __device__ __forceinline__ void store_sums(float* aligned, const float (&v)[kPack]) {
-  if constexpr (kE < kPack) {
-    constexpr int kPos = (kHead + kE) % 4;
-    if constexpr (kPos == 0 && kE + 4 <= kPack) {
+  for_each_sum_chunk<kHead, kPack>([&](auto e, auto width) {
+    constexpr int kE = decltype(e)::value, kWidth = decltype(width)::value;
+    if constexpr (kWidth == 4) {
       *reinterpret_cast<float4*>(aligned + kE) = make_float4(v[kE], v[kE + 1], v[kE + 2], v[kE + 3]);
-      store_sums<kHead, kPack, kE + 4>(aligned, v);
-    } else if constexpr (kPos % 2 == 0 && kE + 2 <= kPack) {
+    } else if constexpr (kWidth == 2) {
       *reinterpret_cast<float2*>(aligned + kE) = make_float2(v[kE], v[kE + 1]);
-      store_sums<kHead, kPack, kE + 2>(aligned, v);
     } else {
       aligned[kE] = v[kE];
-      store_sums<kHead, kPack, kE + 1>(aligned, v);
     }
-  }
+  });
 }
 
 template <class T, int kPack>
@@ -73,7 +82,7 @@ __global__ void __launch_bounds__(1024) backward_block_skew(BackwardArgs a, int6
   const int cols = static_cast<int>(s.cols);
   const int stride = (cols + 3) / 4 * 4;  // the second accumulator's offset (16-byte aligned)
   A* acc = reinterpret_cast<A*>(smem_raw);
-  T* xc = reinterpret_cast<T*>(smem_raw + sizeof(A) * nacc * ((cols + 3) / 4 * 4));
+  T* xc = reinterpret_cast<T*>(smem_raw + sizeof(A) * nacc * stride);
   T* dyc = xc + cols / kPack * kPack;
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
