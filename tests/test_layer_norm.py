@@ -695,6 +695,20 @@ def test_misaligned_rows_gpu(key, dtype, cols):
     _check_grouped(key, dtype, 3, 101, cols)
 
 
+@gpu_only
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("cols", [66, 98, 126, 132, 196, 252])
+def test_eight_byte_rows_gpu(key, dtype, cols):
+    # Rows whose width is a whole number of 8-byte packs but not of 16-byte ones (16-bit 132, 196,
+    # 252 columns: 33-63 packs of 4; float32 66, 98, 126: 33-63 packs of 2), the widths where an
+    # 8-byte pack is the widest aligned load of every row. The kernels for single-element packs
+    # take them today; the checks are the misaligned rows' (both ops, both gradients, per-example
+    # parameters), on 3001 rows so that the last iteration of every team is partial.
+    x, scale, bias = _check_forward(key, dtype, 3001, cols, 3.0)
+    _check_both_grads(x, scale, bias, dtype)
+    _check_grouped(key, dtype, 3, 101, cols)
+
+
 def _check_lean_forward(key, dtype, rows, cols, grad_rows, vmap_rows):
     """The lean forward kernels' checks: both ops against the references, y against the float64
     formula, gradients through the saved mean / rstd, and per-example parameters under vmap (the
