@@ -380,7 +380,7 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
   // / 270.1, 87381x383 210.9 -> 155.8 / 260.8, 65536x509 184.1 -> 159.2 / 259.8; layer_norm_bwd
   // 283.0 -> 180.4 / 640.3, 221.7 -> 175.9 / 500.0, 196.0 -> 164.6 / 483.7.
   if constexpr (kPack == 1 && sizeof(T) <= 4) {
-    if (npacks <= 16 * 32 && a.shape.cols > 1) return launch_team_lean<T, kPack, 16, 32, 0>(a, info, stream);
+    if (npacks <= 16 * 32) return launch_team_lean<T, kPack, 16, 32, 0>(a, info, stream);
   }
 
   if constexpr (kPack > 1 && sizeof(T) < 8) {
