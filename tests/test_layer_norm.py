@@ -682,12 +682,12 @@ def test_misaligned_rows_gpu(key, dtype, cols):
     # rms_norm's backward, one-column backwards and per-example parameters' forward keep the older
     # teams). Forward: 5 columns 4 lanes of 2, 21 and 31 8 lanes of 4 (21: lanes 5-7 idle in the
     # third round, all in the fourth), 33 and 63 16 lanes of 4, 97 16 lanes of 8, 131-256 a full
-    # warp of 8. Backward: one element a lane up to 32 columns, then a full warp of 2-8. One block
+    # warp of 8 (float32: 16 lanes of 16, two rows a warp, session 58). Backward: one element a lane up to 32 columns, then a full warp of 2-8. One block
     # a row past 256. Forward past 256: a warp a row up to 1024 columns (session 56,
     # forward_warp_skew: 1-8 packs a lane between a head and a tail, the row's own skew at each of
     # 3001 rows), forward_block_skew past that (2047); per-example parameters under vmap
-    # forward_block. Backward past 256: backward_block_skew from 64 packs (float32 257-2047, 16-bit
-    # 1001 and 2047), 16-bit 257 / 509 on the lean team, 16 elements a lane (session 57). 3001 rows leave partial
+    # forward_block. Backward past 256: 257 / 509 on the lean team, 16 elements a lane (sessions
+    # 57-58), backward_block_skew past 512 (1001, 2047). 3001 rows leave partial
     # iterations. Both gradients; per-example parameters under vmap, with dscale / dbias
     # bit-identical over two runs.
     x, scale, bias = _check_forward(key, dtype, 3001, cols, 3.0)
