@@ -457,9 +457,10 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
   // f32 layer_norm_bwd 131072x257 304.8 / 285.2 / 639.3, 65536x1001 505.6 / 339.9 / 803.6, 16384x4095
   // 471.3 / 389.5 / 732.6; rms_norm_bwd 299.2 / 276.6 / 267.9, 493.5 / 320.0 / 500.8, 467.3 / 352.4 /
   // 473.5; bf16 rms_norm_bwd 65536x1001 493.7 / 287.4 / 274.5, 16384x4095 433.5 / 238.3 / 275.3, but
-  // 131072x257 (32 packs) 294.2 / 330.2 / 149.0 (layer_norm_bwd 303.0 / 374.8); 16-bit rows up to
-  // 512 columns take the lean team above. Session 57's race fix cost the 16-bit skewed kernel 6-10 %
-  // (bf16 rms_norm_bwd 65536x1001 287.0 -> 311.4; layer_norm_skew_bwd.cuh).
+  // 131072x257 (32 packs) 294.2 / 330.2 / 149.0 (layer_norm_bwd 303.0 / 374.8); rows up to 512
+  // columns take the lean team above (16-bit since session 57, float32 since 58). The skewed
+  // kernel's column sums changed twice since (layer_norm_skew_bwd.cuh): 311.4 after session 57's
+  // race fix, 246.3 with session 58's exact accesses (bf16 rms_norm_bwd 65536x1001).
   if constexpr (kPack == 1 && sizeof(T) <= 4) {
     constexpr int kVec = kVecPack<T>;
     constexpr int64_t kSkewBwdMinPacks = 64;
