@@ -1,8 +1,9 @@
-"""The CPU twins' two code paths: the baseline (SSE2 on x86-64, 4-float vectors) and the AVX2+FMA
-clone (8-float vectors) that cc/common/cpu_vec.h's run_isa picks where the CPU has it.
-JAXOPS_CPU_ISA=baseline, read on every call, forces the baseline, so one machine checks both
-against the pure-JAX references, at lengths that leave every partial vector, lane block, mask word
-offset and pairwise fold its tail."""
+"""The CPU twins' three code paths: the baseline (SSE2 on x86-64, 4-float vectors), the AVX2+FMA
+clone (8-float vectors) and the AVX-512 clone (16-float vectors; not batch_norm or relu) that
+cc/common/cpu_vec.h's run_isa picks where the CPU has them. JAXOPS_CPU_ISA=baseline / avx2, read
+on every call, forces the baseline / at most the AVX2 clone, so one machine checks every path it
+has against the pure-JAX references, at lengths that leave every partial vector, lane block, mask
+word offset and pairwise fold its tail."""
 import os
 
 import jax
@@ -20,15 +21,25 @@ pytestmark = pytest.mark.skipif(ON_GPU, reason="the CPU twins' code paths (the G
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
-def both_paths(fn, *args):
-    """fn(*args) on the AVX2 path (where the CPU has it) and on the forced baseline path."""
-    out = jax.block_until_ready(fn(*args))
-    os.environ["JAXOPS_CPU_ISA"] = "baseline"
+def forced(isa, fn, *args):
+    """fn(*args) with JAXOPS_CPU_ISA=isa (read by the twins on every call)."""
+    os.environ["JAXOPS_CPU_ISA"] = isa
     try:
-        base = jax.block_until_ready(fn(*args))
+        return jax.block_until_ready(fn(*args))
     finally:
         del os.environ["JAXOPS_CPU_ISA"]
-    return out, base
+
+
+def both_paths(fn, *args):
+    """fn(*args) on the CPU's own path (AVX-512 or AVX2 where it has them) and on the forced
+    baseline path."""
+    return jax.block_until_ready(fn(*args)), forced("baseline", fn, *args)
+
+
+def every_path(fn, *args):
+    """fn(*args) on the CPU's own path, the forced AVX2 clone (the same path where the CPU has no
+    AVX-512) and the forced baseline."""
+    return (*both_paths(fn, *args), forced("avx2", fn, *args))
 
 
 def in_f32(ref):
@@ -42,9 +53,8 @@ def in_f32(ref):
 
 
 def check(fn, ref, *args, dtype):
-    out, base = both_paths(fn, *args)
     expected = in_f32(ref)(*args)
-    for got in (out, base):
+    for got in every_path(fn, *args):
         for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
             assert_close(g, e, dtype=dtype)
 
@@ -99,10 +109,9 @@ def test_reductions(shape, axis, dtype):
     for name in ["sum", "mean", "max", "min", "logsumexp"]:
         op = getattr(jaxops, name)
         for data in inputs:
-            out, base = both_paths(jax.jit(lambda v: op(v, axis=axis)), data)
             expected = jnp.asarray(np_reduce(name)(data, axis)).astype(dtype)
-            assert_close(out, expected, dtype=dtype)
-            assert_close(base, expected, dtype=dtype)
+            for got in every_path(jax.jit(lambda v: op(v, axis=axis)), data):
+                assert_close(got, expected, dtype=dtype)
 
 
 @pytest.mark.parametrize("cols", [1, 17, 1024, 1025, 5000, 70001])
@@ -122,9 +131,8 @@ def test_argmax_rows(cols, dtype):
     x = x.astype(dtype)
     a = np.asarray(x.astype(jnp.float32))
     for op, ref in ((jaxops.argmax, np.argmax), (jaxops.argmin, np.argmin)):
-        out, base = both_paths(jax.jit(lambda v: op(v, axis=-1)), x)
-        np.testing.assert_array_equal(np.asarray(out), ref(a, axis=-1))
-        np.testing.assert_array_equal(np.asarray(base), ref(a, axis=-1))
+        for got in every_path(jax.jit(lambda v: op(v, axis=-1)), x):
+            np.testing.assert_array_equal(np.asarray(got), ref(a, axis=-1))
 
 
 @pytest.mark.parametrize("rows", [1, 64, 150])
@@ -142,9 +150,8 @@ def test_argmax_columns(rows, dtype):
     x = x.astype(dtype)
     a = np.asarray(x.astype(jnp.float32))
     for op, ref in ((jaxops.argmax, np.argmax), (jaxops.argmin, np.argmin)):
-        out, base = both_paths(jax.jit(lambda v: op(v, axis=0)), x)
-        np.testing.assert_array_equal(np.asarray(out), ref(a, axis=0))
-        np.testing.assert_array_equal(np.asarray(base), ref(a, axis=0))
+        for got in every_path(jax.jit(lambda v: op(v, axis=0)), x):
+            np.testing.assert_array_equal(np.asarray(got), ref(a, axis=0))
 
 
 @pytest.mark.parametrize("cols", [1, 7, 33, 1025])
@@ -163,9 +170,8 @@ def test_layer_norm(cols, dtype, rms):
         ref = lambda x, s, b: ln_ref(x, s, b, 1e-5)
     check(jax.jit(op), jax.jit(ref), x, scale, bias, dtype=dtype)
     vjp = lambda f: jax.jit(lambda x, s, b, g: jax.vjp(f, x, s, b)[1](g)[:2])
-    out, base = both_paths(vjp(op), x, scale, bias, dy)
     expected = in_f32(vjp(ref))(x, scale, bias, dy)
-    for got in (out, base):
+    for got in every_path(vjp(op), x, scale, bias, dy):
         # (one column: dx cancels to ~1e-4 of its terms, so the float32 reference is off there too)
         for g, e in zip(got, expected):
             assert_close(g, e, dtype=dtype, rtol=5e-2 if dtype != jnp.float32 else 1e-4, atol=5e-2 if dtype != jnp.float32 else 1e-5)
@@ -185,9 +191,8 @@ def test_batch_norm_relu(channels, dtype, residual):
     ref = lambda x, s, b, r: ref_bn(x, s, b, residual=r, activation="relu")[0]
     check(jax.jit(op), jax.jit(ref), x, scale, bias, res, dtype=dtype)
     vjp = lambda f: jax.jit(lambda x, s, b, r, g: jax.vjp(lambda x, s, b: f(x, s, b, r), x, s, b)[1](g))
-    out, base = both_paths(vjp(op), x, scale, bias, res, dy)
     expected = in_f32(vjp(ref))(x, scale, bias, res, dy)
-    for got in (out, base):
+    for got in every_path(vjp(op), x, scale, bias, res, dy):
         for g, e in zip(got, expected):
             assert_close(g, e, dtype=g.dtype, rtol=5e-2 if dtype != jnp.float32 else 1e-4, atol=5e-2)
 
@@ -231,7 +236,7 @@ def test_exp_at_the_underflow_edge():
     normal = exact >= np.finfo(np.float32).tiny * 1.1
     for log in (False, True):
         op = jaxops.log_softmax if log else jaxops.softmax
-        for y in both_paths(jax.jit(op), x):
+        for y in every_path(jax.jit(op), x):
             y = np.asarray(y, np.float64)
             got = np.exp(y) if log else y
             np.testing.assert_allclose(got[:, normal], np.tile(exact[normal], (3, 1)), rtol=2e-6)

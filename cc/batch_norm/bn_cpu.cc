@@ -199,7 +199,7 @@ void backward_dx(const View& v, const T* dy, const T* x, const uint32_t* mask, c
 // are auto-vectorized: in the AVX2+FMA clone they get 32-byte vectors; W sizes the explicit ones).
 template <class F>
 void dispatch(Dtype d, F&& f) {
-  cpu::run_isa([&](auto w) { return cpu::dispatch_float(d, [&](auto tag) { f(w, tag); }); });
+  cpu::run_isa<8>([&](auto w) { return cpu::dispatch_float(d, [&](auto tag) { f(w, tag); }); });
 }
 
 }  // namespace

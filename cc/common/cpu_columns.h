@@ -36,7 +36,7 @@ inline void column_tile(const T* x, int64_t rows, int64_t inner, float* acc) {
     for (int k = 0; k < NV; ++k) {
       const typename V::F v = load_floats<W>(x + r * inner + k * W);
       if constexpr (kSum) a[k] += v;
-      else a[k] = V::select((kMax ? v > a[k] : v < a[k]) | (v != v), v, a[k]);
+      else a[k] = V::select((kMax ? V::gt(v, a[k]) : V::lt(v, a[k])) | V::is_nan(v), v, a[k]);
     }
   for (int k = 0; k < NV; ++k) V::store(acc + k * W, a[k]);
 }
@@ -131,7 +131,7 @@ inline void arg_tile(const T* x, int64_t base, int64_t rows, int64_t inner, floa
     const typename V::I at = typename V::I{} + static_cast<int32_t>(base + r);
     for (int k = 0; k < NV; ++k) {
       const typename V::F v = load_floats<W>(x + r * inner + k * W);
-      const typename V::I take = (b[k] == b[k]) & ~(kMax ? v <= b[k] : v >= b[k]);
+      const typename V::I take = V::eq(b[k], b[k]) & ~(kMax ? V::le(v, b[k]) : V::ge(v, b[k]));
       b[k] = V::select(take, v, b[k]);
       ix[k] = (take & at) | (~take & ix[k]);
     }

@@ -1,6 +1,7 @@
-// Explicit vectors for the CPU twins' inner loops and the dispatch between their two builds.
+// Explicit vectors for the CPU twins' inner loops and the dispatch between their three builds.
 // Each entry point runs through run_isa: the baseline x86-64 ISA (SSE2, 4-float vectors)
-// everywhere, an AVX2+FMA clone (8-float vectors) where the CPU has it. Session 52 (2 AMD EPYC
+// everywhere, an AVX2+FMA clone (8-float vectors) where the CPU has it, an AVX-512 clone
+// (16-float vectors, session 58) where it has AVX-512 F / DQ / BW / VL. Session 52 (2 AMD EPYC
 // cores, 1M elements): built with -Os (nanobind's default) and with libm's exp, branches and a
 // 64-bit division an element, the twins ran 10-90x slower than XLA's own CPU code
 // (docs/notes/cpu.md). The loops themselves: cpu_bits.h (selects, mask bits), cpu_rows.h
@@ -14,10 +15,11 @@
 namespace jaxops::cpu {
 
 // W floats (GCC/Clang vector extensions): W = 4 is the SSE2 register every x86-64 has; W = 8
-// runs in AVX2+FMA clones of the entry points (run_isa). The loops below use them directly because
-// the auto-vectorizer scalarized the lane arrays of the NaN-propagating max (session 52: 1.2 ns
-// an element, against 0.07 for the sum it did vectorize). Code with W = 8 is only ever inlined
-// into such a clone: outside one, GCC lowered 32-byte compares and selects to scalar branches.
+// runs in AVX2+FMA clones of the entry points (run_isa), W = 16 in AVX-512 ones. The loops below
+// use them directly because the auto-vectorizer scalarized the lane arrays of the NaN-propagating
+// max (session 52: 1.2 ns an element, against 0.07 for the sum it did vectorize). Code with W = 8
+// or 16 is only ever inlined into such a clone: outside one, GCC lowered 32-byte compares and
+// selects to scalar branches. Comparisons go through VecCmp (below), whatever W.
 typedef float vf4 __attribute__((vector_size(16)));
 typedef int32_t vi4 __attribute__((vector_size(16)));
 typedef double vd2 __attribute__((vector_size(16)));
@@ -27,6 +29,10 @@ typedef double vd4 __attribute__((vector_size(32)));
 typedef float vf2 __attribute__((vector_size(8)));
 typedef uint16_t vu4 __attribute__((vector_size(8)));
 typedef uint16_t vu8 __attribute__((vector_size(16)));
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef double vd8 __attribute__((vector_size(64)));
+typedef uint16_t vu16 __attribute__((vector_size(32)));
 template <int W> struct VecTypes;  // (GCC drops vector_size on a typedef whose size is dependent)
 template <> struct VecTypes<4> {
   using F = vf4;
@@ -42,6 +48,40 @@ template <> struct VecTypes<8> {
   using I = vi8;
   using D = vd4;
 };
+
+template <> struct VecTypes<16> {
+  using F = vf16;
+  using H = vf8;
+  using U16 = vu16;
+  using I = vi16;
+  using D = vd8;
+};
+
+// Vector comparisons, all ones where true. At W = 16 they are defined under the AVX-512 target:
+// GCC builds a helper's comparisons for the target the helper is compiled for (lane-wide masks
+// for SSE / AVX2) before `flatten` inlines it into the AVX-512 clone, which has no 64-byte
+// instruction for such a mask and compares one lane at a time (session 58, notes/cpu.md: max of
+// float columns 18x slower). A comparison compiled under AVX-512 uses its mask registers, and
+// once inlined into the clone the surrounding helper's integer and float operations stay 512-bit.
+template <int W>
+struct VecCmp {
+  using F = typename VecTypes<W>::F;
+  using I = typename VecTypes<W>::I;
+  static I lt(F a, F b) { return a < b; }
+  static I le(F a, F b) { return a <= b; }
+  static I eq(F a, F b) { return a == b; }
+  static I ne(F a, F b) { return a != b; }
+};
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#define JAXOPS_AVX512_TARGET __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")))
+template <>
+struct VecCmp<16> {  // (not always_inline: inlined only into the AVX-512 clone, by flatten)
+  JAXOPS_AVX512_TARGET static vi16 lt(vf16 a, vf16 b) { return a < b; }
+  JAXOPS_AVX512_TARGET static vi16 le(vf16 a, vf16 b) { return a <= b; }
+  JAXOPS_AVX512_TARGET static vi16 eq(vf16 a, vf16 b) { return a == b; }
+  JAXOPS_AVX512_TARGET static vi16 ne(vf16 a, vf16 b) { return a != b; }
+};
+#endif
 
 template <int W>
 struct Vec {
@@ -69,6 +109,13 @@ struct Vec {
   }
   // a where m (all ones), else b.
   static F select(I m, F a, F b) { return floats((m & bits(a)) | (~m & bits(b))); }
+  // Comparisons through VecCmp (every vector comparison of the twins goes through these).
+  static I lt(F a, F b) { return VecCmp<W>::lt(a, b); }
+  static I le(F a, F b) { return VecCmp<W>::le(a, b); }
+  static I gt(F a, F b) { return VecCmp<W>::lt(b, a); }
+  static I ge(F a, F b) { return VecCmp<W>::le(b, a); }
+  static I eq(F a, F b) { return VecCmp<W>::eq(a, b); }
+  static I is_nan(F a) { return VecCmp<W>::ne(a, a); }
   // W / 2 doubles from as many consecutive A values, centred first in A: (p - shift) - mean.
   template <class A>
   static D widen_d(const A* p, A shift, A mean) {
@@ -100,8 +147,8 @@ struct Vec {
     // Below -87.3 the answer is 0 (the last line), and the arithmetic runs on -87.3, where y is
     // still normal: a subnormal product costs a microcode assist of ~100 cycles on x86. At -87.5
     // every masked (-inf) softmax entry took one: 2.5x the time of an unmasked row (session 55).
-    d = select(d < splat(-87.3f), splat(-87.3f), d);  // also -inf; a NaN d fails and stays
-    d = select(d > splat(88.0f), splat(88.0f), d);
+    d = select(lt(d, splat(-87.3f)), splat(-87.3f), d);  // also -inf; a NaN d fails and stays
+    d = select(gt(d, splat(88.0f)), splat(88.0f), d);
     const F magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
     const F n_magic = d * 1.44269504088896341f + magic;  // its low mantissa bits hold n
     const F n = n_magic - magic;
@@ -115,7 +162,7 @@ struct Vec {
     const I ni = bits(n_magic) - bits(magic);
     const F y = ((p * r2 + r) + 1.0f) * floats((ni + 127) << 23);
     // 0 for -inf and whatever would round to a subnormal (a NaN d fails the test: kept).
-    return floats(bits(y) & ~(d <= splat(-87.3f)));
+    return floats(bits(y) & ~le(d, splat(-87.3f)));
   }
 };
 
@@ -130,21 +177,46 @@ inline bool has_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;
 }
+// f(std::integral_constant<int, 16>) in an AVX-512 (F, DQ, BW, VL) clone, as run_avx2.
+template <class F>
+JAXOPS_AVX512_TARGET __attribute__((flatten)) auto run_avx512(F& f) {
+  return f(std::integral_constant<int, 16>{});
+}
+inline bool has_avx512() {
+  static const bool yes = has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return yes;
+}
 #endif
 
-// JAXOPS_CPU_ISA=baseline keeps every call on the baseline code (W = 4), so that
-// tests/test_cpu_isa.py checks both paths on one machine; read per call, like the GPU hooks.
+// JAXOPS_CPU_ISA=baseline keeps every call on the baseline code (W = 4), =avx2 on the AVX2 clone
+// (W = 8), so that tests/test_cpu_isa.py checks every path on one machine; read per call.
+inline const char* isa_forced() { return std::getenv("JAXOPS_CPU_ISA"); }
 inline bool baseline_forced() {
-  const char* isa = std::getenv("JAXOPS_CPU_ISA");
+  const char* isa = isa_forced();
   return isa != nullptr && std::strcmp(isa, "baseline") == 0;
 }
+inline bool avx2_forced() {
+  const char* isa = isa_forced();
+  return isa != nullptr && std::strcmp(isa, "avx2") == 0;
+}
 
-// Runs f(std::integral_constant<int, W>): W = 8 in an AVX2+FMA clone where the CPU has them
-// (results may differ in the last bits from W = 4's, which has no fused multiply-add), else 4.
-template <class F>
+// Runs f(std::integral_constant<int, W>): W = 16 in an AVX-512 clone where the CPU has AVX-512
+// (F, DQ, BW, VL) and kMaxW allows it, 8 in an AVX2+FMA clone where the CPU has them (results may
+// differ in the last bits from W = 4's, which has no fused multiply-add), else 4. Session 58's C++
+// harnesses (.runs/s54_mb, .runs/s55_mb; 2 AMD EPYC cores, 1024x1024, AVX2 -> AVX-512, two
+// rounds, within 1 % of each other but the norms' backward, which moved 30 %): softmax / log_softmax forward 15-22 % faster, backward 2-30 % (but float32 masked
+// softmax backward 11 % slower), layer_norm / rms_norm forward 0-12 %, logsumexp 20-24 %, sums and
+// extrema of columns 5-25 %, argmax of columns 14-23 %. batch_norm lost 13-32 % (one round, CI
+// running beside it), so it keeps kMaxW = 8, as does relu (auto-vectorized, bound by memory).
+template <int kMaxW = 16, class F>
 auto run_isa(F&& f) {
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
-  if (has_avx2() && !baseline_forced()) return run_avx2(f);
+  if (!baseline_forced()) {
+    if constexpr (kMaxW >= 16)
+      if (has_avx512() && !avx2_forced()) return run_avx512(f);
+    if (has_avx2()) return run_avx2(f);
+  }
 #endif
   return f(std::integral_constant<int, 4>{});
 }

@@ -69,7 +69,7 @@ void backward_rows(const T* dy, const uint32_t* mask, T* dx, int64_t rows, int64
 
 bool forward_cpu(Dtype dtype, const void* x, void* y, uint32_t* mask, int64_t rows, int64_t cols,
                  int64_t words_per_row) {
-  return cpu::run_isa([&](auto) {  // auto-vectorized loops: 32-byte vectors in the AVX2 clone
+  return cpu::run_isa<8>([&](auto) {  // auto-vectorized loops: 32-byte vectors in the AVX2 clone
     return cpu::dispatch_float(dtype, [&](auto tag) {
       using T = decltype(tag);
       forward_rows(static_cast<const T*>(x), static_cast<T*>(y), words_per_row ? mask : nullptr, rows,
@@ -80,7 +80,7 @@ bool forward_cpu(Dtype dtype, const void* x, void* y, uint32_t* mask, int64_t ro
 
 bool backward_cpu(Dtype dtype, const void* dy, const uint32_t* mask, void* dx, int64_t rows,
                   int64_t cols, int64_t words_per_row) {
-  return cpu::run_isa([&](auto) {
+  return cpu::run_isa<8>([&](auto) {
     return cpu::dispatch_float(dtype, [&](auto tag) {
       using T = decltype(tag);
       backward_rows(static_cast<const T*>(dy), mask, static_cast<T*>(dx), rows, cols, words_per_row);
