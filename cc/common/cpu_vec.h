@@ -204,11 +204,12 @@ inline bool avx2_forced() {
 // Runs f(std::integral_constant<int, W>): W = 16 in an AVX-512 clone where the CPU has AVX-512
 // (F, DQ, BW, VL) and kMaxW allows it, 8 in an AVX2+FMA clone where the CPU has them (results may
 // differ in the last bits from W = 4's, which has no fused multiply-add), else 4. Session 58's C++
-// harnesses (.runs/s54_mb, .runs/s55_mb; 2 AMD EPYC cores, 1024x1024, AVX2 -> AVX-512, two
-// rounds, within 4 % of each other but the norms' backward, which moved 30 %): softmax / log_softmax forward 15-22 % faster, backward 2-30 % (but float32 masked
-// softmax backward 11 % slower), layer_norm / rms_norm forward 0-12 %, logsumexp 20-24 %, sums and
-// extrema of columns 5-25 %, argmax of columns 14-23 %. batch_norm lost 13-32 % (one round, CI
-// running beside it), so it keeps kMaxW = 8, as does relu (auto-vectorized, bound by memory).
+// harnesses (.runs/s54_mb, .runs/s55_mb; 2 AMD EPYC cores, 1024x1024, AVX2 -> AVX-512, two rounds
+// within 4 % of each other but the norms' backward, which moved 30 %): softmax / log_softmax
+// forward 15-22 % faster, backward 2-30 % (but float32 masked softmax backward 11 % slower),
+// layer_norm / rms_norm forward 0-12 %, logsumexp 20-24 %, sums and extrema of columns 5-25 %,
+// argmax of columns 14-23 %. batch_norm lost 13-32 % (one round, CI running beside it), so it
+// keeps kMaxW = 8, as does relu (auto-vectorized, bound by memory).
 template <int kMaxW = 16, class F>
 auto run_isa(F&& f) {
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
