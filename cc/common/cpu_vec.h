@@ -191,15 +191,7 @@ inline bool has_avx512() {
 
 // JAXOPS_CPU_ISA=baseline keeps every call on the baseline code (W = 4), =avx2 on the AVX2 clone
 // (W = 8), so that tests/test_cpu_isa.py checks every path on one machine; read per call.
-inline const char* isa_forced() { return std::getenv("JAXOPS_CPU_ISA"); }
-inline bool baseline_forced() {
-  const char* isa = isa_forced();
-  return isa != nullptr && std::strcmp(isa, "baseline") == 0;
-}
-inline bool avx2_forced() {
-  const char* isa = isa_forced();
-  return isa != nullptr && std::strcmp(isa, "avx2") == 0;
-}
+inline bool is_isa(const char* forced, const char* name) { return forced != nullptr && std::strcmp(forced, name) == 0; }
 
 // Runs f(std::integral_constant<int, W>): W = 16 in an AVX-512 clone where the CPU has AVX-512
 // (F, DQ, BW, VL) and kMaxW allows it, 8 in an AVX2+FMA clone where the CPU has them (results may
@@ -213,9 +205,10 @@ inline bool avx2_forced() {
 template <int kMaxW = 16, class F>
 auto run_isa(F&& f) {
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
-  if (!baseline_forced()) {
+  const char* forced = std::getenv("JAXOPS_CPU_ISA");
+  if (!is_isa(forced, "baseline")) {
     if constexpr (kMaxW >= 16)
-      if (has_avx512() && !avx2_forced()) return run_avx512(f);
+      if (has_avx512() && !is_isa(forced, "avx2")) return run_avx512(f);
     if (has_avx2()) return run_avx2(f);
   }
 #endif
