@@ -7,7 +7,8 @@
 
 namespace jaxops::knn {
 
-// CPU twin: blocked threshold filter + nth_element, identical order and tie rules.
-void select_cpu(const SelectView& v, const SelectBuffers& b);
+// CPU twin: blocked threshold filter + nth_element, identical order and tie rules; query rows
+// [row0, row1) of the batch * rows flattened.
+void select_cpu(const SelectView& v, const SelectBuffers& b, int64_t row0, int64_t row1);
 
 }  // namespace jaxops::knn

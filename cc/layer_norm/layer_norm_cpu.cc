@@ -5,6 +5,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/cpu_parts.h"
 #include "common/cpu_rows.h"
 #include "common/cpu_sums.h"
 #include "common/cpu_vec.h"
@@ -18,7 +19,7 @@ using cpu::acc_t;
 // (cpu_rows.h); the row statistics are sums in double (cpu::dsum, cpu_sums.h), as before.
 
 template <int W, class T>
-void forward_rows(const ForwardArgs& a) {
+void forward_rows(const ForwardArgs& a, int64_t r0, int64_t r1) {
   using A = acc_t<T>;
   const Shape& s = a.shape;
   const T* x = static_cast<const T*>(a.x);
@@ -30,7 +31,7 @@ void forward_rows(const ForwardArgs& a) {
   const int64_t n = s.cols;
   std::vector<A> v(std::is_same_v<T, A> ? 0 : n), sc(n), bi(bias ? n : 0);
   int64_t group = -1;
-  for (int64_t r = 0; r < s.rows; ++r) {
+  for (int64_t r = r0; r < r1; ++r) {
     if (const int64_t g = r / s.rows_per_group; g != group) {
       group = g;
       cpu::widen(scale + g * n, sc.data(), n);
@@ -63,8 +64,10 @@ void forward_rows(const ForwardArgs& a) {
 // partial of kColumnRun terms carries at most that many roundings of 2^-24 relative.
 constexpr int64_t kColumnRun = 8;
 
+// Rows [r0, r1) of group g: dx, and the group's dscale / dbias terms of those rows summed in
+// double into ds / db (n each; db unused for rms_norm), in row order.
 template <int W, class T>
-void backward_rows(const BackwardArgs& a) {
+void backward_rows(const BackwardArgs& a, int64_t g, int64_t r0, int64_t r1, double* ds, double* db) {
   using A = acc_t<T>;
   const Shape& s = a.shape;
   const T* x = static_cast<const T*>(a.x);
@@ -75,59 +78,84 @@ void backward_rows(const BackwardArgs& a) {
   T* dx = static_cast<T*>(a.dx);
   const int64_t n = s.cols;
   constexpr bool kInPlace = std::is_same_v<T, A>;  // float / double rows need no scratch copy
-  std::vector<double> dscale(n), dbias(n);
   std::vector<A> sc(n), part_s(n), part_b(n), gv(n), t(n), xw(kInPlace ? 0 : n), dw(kInPlace ? 0 : n);
   const auto flush = [&] {
-    for (int64_t c = 0; c < n; ++c) dscale[c] += static_cast<double>(part_s[c]), part_s[c] = A(0);
-    for (int64_t c = 0; c < n; ++c) dbias[c] += static_cast<double>(part_b[c]), part_b[c] = A(0);
+    for (int64_t c = 0; c < n; ++c) ds[c] += static_cast<double>(part_s[c]), part_s[c] = A(0);
+    for (int64_t c = 0; c < n; ++c) db[c] += static_cast<double>(part_b[c]), part_b[c] = A(0);
   };
-  for (int64_t g = 0; g < s.groups; ++g) {
-    std::fill(dscale.begin(), dscale.end(), 0.0);
-    std::fill(dbias.begin(), dbias.end(), 0.0);
-    std::fill(part_s.begin(), part_s.end(), A(0));
-    std::fill(part_b.begin(), part_b.end(), A(0));
-    cpu::widen(scale + g * n, sc.data(), n);
-    const int64_t first = g * s.rows_per_group, last = first + s.rows_per_group;
-    for (int64_t r = first; r < last; ++r) {
-      const A mean = mean_in ? mean_in[r] : A(0), rstd = rstd_in[r];
-      const A* xr = cpu::acc_row(x + r * n, xw.data(), n);
-      const A* dr = cpu::acc_row(dy + r * n, dw.data(), n);
-      // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * scale (no mean(g) for rms).
-      for (int64_t c = 0; c < n; ++c) {
-        const A xhat = (xr[c] - mean) * rstd;
-        gv[c] = dr[c] * sc[c];
-        t[c] = gv[c] * xhat;
-        part_s[c] += dr[c] * xhat;
-        part_b[c] += dr[c];
-      }
-      if ((r - first + 1) % kColumnRun == 0) flush();
-      const double sum_g = s.rms ? 0.0 : cpu::dsum<W>(gv.data(), n), sum_gx = cpu::dsum<W>(t.data(), n);
-      const A mg = static_cast<A>(sum_g / static_cast<double>(n)), mgx = static_cast<A>(sum_gx / static_cast<double>(n));
-      A* out = cpu::acc_out(dx + r * n, t.data());
-      for (int64_t c = 0; c < n; ++c) out[c] = rstd * (gv[c] - mg - ((xr[c] - mean) * rstd) * mgx);
-      cpu::narrow_row(t.data(), dx + r * n, n);
+  std::fill(ds, ds + n, 0.0);
+  std::fill(db, db + n, 0.0);
+  cpu::widen(scale + g * n, sc.data(), n);
+  for (int64_t r = r0; r < r1; ++r) {
+    const A mean = mean_in ? mean_in[r] : A(0), rstd = rstd_in[r];
+    const A* xr = cpu::acc_row(x + r * n, xw.data(), n);
+    const A* dr = cpu::acc_row(dy + r * n, dw.data(), n);
+    // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * scale (no mean(g) for rms).
+    for (int64_t c = 0; c < n; ++c) {
+      const A xhat = (xr[c] - mean) * rstd;
+      gv[c] = dr[c] * sc[c];
+      t[c] = gv[c] * xhat;
+      part_s[c] += dr[c] * xhat;
+      part_b[c] += dr[c];
     }
-    flush();
-    for (int64_t c = 0; c < n; ++c) t[c] = static_cast<A>(dscale[c]);
-    cpu::narrow(t.data(), static_cast<T*>(a.dscale) + g * n, n);
-    if (a.dbias) {
-      for (int64_t c = 0; c < n; ++c) t[c] = static_cast<A>(dbias[c]);
-      cpu::narrow(t.data(), static_cast<T*>(a.dbias) + g * n, n);
+    if ((r - r0 + 1) % kColumnRun == 0) flush();
+    const double sum_g = s.rms ? 0.0 : cpu::dsum<W>(gv.data(), n), sum_gx = cpu::dsum<W>(t.data(), n);
+    const A mg = static_cast<A>(sum_g / static_cast<double>(n)), mgx = static_cast<A>(sum_gx / static_cast<double>(n));
+    A* out = cpu::acc_out(dx + r * n, t.data());
+    for (int64_t c = 0; c < n; ++c) out[c] = rstd * (gv[c] - mg - ((xr[c] - mean) * rstd) * mgx);
+    cpu::narrow_row(t.data(), dx + r * n, n);
+  }
+  flush();
+}
+
+// dscale (and dbias) of group g: the sums of its `parts` consecutive row ranges, added in order.
+template <class T>
+void store_param_grads(const BackwardArgs& a, int64_t g, int64_t parts, const double* sums) {
+  using A = acc_t<T>;
+  const int64_t n = a.shape.cols;
+  std::vector<A> t(n);
+  for (int k = 0; k < 2; ++k) {
+    T* out = static_cast<T*>(k == 0 ? a.dscale : a.dbias);
+    if (out == nullptr) continue;
+    for (int64_t c = 0; c < n; ++c) {
+      double v = 0.0;
+      for (int64_t p = 0; p < parts; ++p) v += sums[(2 * (g * parts + p) + k) * n + c];
+      t[c] = static_cast<A>(v);
     }
+    cpu::narrow(t.data(), out + g * n, n);
   }
 }
 
 }  // namespace
 
-bool forward_cpu(const ForwardArgs& a) {
+bool forward_cpu(const ForwardArgs& a, int64_t r0, int64_t r1) {
   return cpu::run_isa([&](auto w) {
-    return cpu::dispatch_float(a.dtype, [&](auto tag) { forward_rows<w.value, decltype(tag)>(a); });
+    return cpu::dispatch_float(a.dtype, [&](auto tag) { forward_rows<w.value, decltype(tag)>(a, r0, r1); });
   });
 }
 
-bool backward_cpu(const BackwardArgs& a) {
+int64_t backward_parts(const Shape& s) {
+  return cpu::row_parts(s.groups, s.rows_per_group, s.cols, kColumnRun);
+}
+
+bool backward_cpu(const BackwardArgs& a, int64_t parts, int64_t i0, int64_t i1, double* sums) {
+  const Shape& s = a.shape;
   return cpu::run_isa([&](auto w) {
-    return cpu::dispatch_float(a.dtype, [&](auto tag) { backward_rows<w.value, decltype(tag)>(a); });
+    return cpu::dispatch_float(a.dtype, [&](auto tag) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t g = i / parts;
+        int64_t r0, r1;
+        cpu::part_rows(s.rows_per_group, parts, i % parts, &r0, &r1);
+        backward_rows<w.value, decltype(tag)>(a, g, g * s.rows_per_group + r0, g * s.rows_per_group + r1,
+                                              sums + 2 * i * s.cols, sums + (2 * i + 1) * s.cols);
+      }
+    });
+  });
+}
+
+bool store_param_grads_cpu(const BackwardArgs& a, int64_t parts, int64_t g0, int64_t g1, const double* sums) {
+  return cpu::dispatch_float(a.dtype, [&](auto tag) {
+    for (int64_t g = g0; g < g1; ++g) store_param_grads<decltype(tag)>(a, g, parts, sums);
   });
 }
 

@@ -1,4 +1,7 @@
 // CPU FFI handler of every reduction (sum, mean, max, min, logsumexp, argmax, argmin).
+#include <atomic>
+
+#include "common/cpu_parallel.h"
 #include "common/registry.h"
 #include "reduce/reduce_args.h"
 #include "reduce/reduce_cpu.h"
@@ -6,19 +9,30 @@
 namespace jaxops::reduce {
 namespace {
 
-ffi::Error ReduceCpuImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+// The outer slices (x[o] of reduced x inner elements, y[o] of inner results) are independent:
+// each thread of XLA's pool takes whole ones. A single slice (columns of a matrix, the whole
+// array) stays on one thread, its summation order unchanged.
+ffi::Error ReduceCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::AnyBuffer> ws, int64_t op, int64_t splits) {
   View v;
   if (auto err = check_reduce(x, *y, *ws, op, splits, &v); err.failure()) return err;
   if (v.outer * v.inner == 0) return ffi::Error::Success();
-  if (!reduce_cpu(v.kind, v.dtype, x.untyped_data(), y->untyped_data(), v.outer, v.reduced, v.inner))
-    return invalid_argument(op_name(v.kind), "unsupported dtype");
+  const int64_t in_slice = v.reduced * v.inner * dtype_size(v.dtype);
+  const int64_t out_slice = static_cast<int64_t>(y->size_bytes()) / v.outer;
+  const auto* xs = static_cast<const char*>(x.untyped_data());
+  auto* ys = static_cast<char*>(y->untyped_data());
+  std::atomic<bool> ok{true};
+  cpu::parallel_for(pool, v.outer, v.reduced * v.inner, 1, [&](int64_t o0, int64_t o1) {
+    if (!reduce_cpu(v.kind, v.dtype, xs + o0 * in_slice, ys + o0 * out_slice, o1 - o0, v.reduced, v.inner))
+      ok.store(false, std::memory_order_relaxed);
+  });
+  if (!ok.load()) return invalid_argument(op_name(v.kind), "unsupported dtype");
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceCpu, ReduceCpuImpl, bind_reduce(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceCpu, ReduceCpuImpl, bind_reduce(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 JAXOPS_REGISTER("jaxops_reduce", ReduceCpu);
 
 }  // namespace jaxops::reduce
