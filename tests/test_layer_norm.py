@@ -682,8 +682,9 @@ def test_misaligned_rows_gpu(key, dtype, cols):
     # rms_norm's backward, one-column backwards and per-example parameters' forward keep the older
     # teams). Forward: 5 columns 4 lanes of 2, 21 and 31 8 lanes of 4 (21: lanes 5-7 idle in the
     # third round, all in the fourth), 33 and 63 16 lanes of 4, 97 16 lanes of 8, 131-256 a full
-    # warp of 8 (float32: 16 lanes of 16, two rows a warp, session 58). Backward: one element a lane up to 32 columns, then a full warp of 2-8. One block
-    # a row past 256. Forward past 256: a warp a row up to 1024 columns (session 56,
+    # warp of 8 (float32: 16 lanes of 16, two rows a warp, session 58). Backward: one element a
+    # lane up to 32 columns, then a full warp of 2-8 (16-bit rms_norm 129-256: 16 lanes of 16, two
+    # rows a warp, session 59). One block a row past 256. Forward past 256: a warp a row up to 1024 columns (session 56,
     # forward_warp_skew: 1-8 packs a lane between a head and a tail, the row's own skew at each of
     # 3001 rows), forward_block_skew past that (2047); per-example parameters under vmap
     # forward_block. Backward past 256: 257 / 509 on the lean team, 16 elements a lane (sessions
@@ -701,9 +702,13 @@ def test_misaligned_rows_gpu(key, dtype, cols):
 def test_eight_byte_rows_gpu(key, dtype, cols):
     # Rows whose width is a whole number of 8-byte packs but not of 16-byte ones (16-bit 132, 196,
     # 252 columns: 33-63 packs of 4; float32 66, 98, 126: 33-63 packs of 2), the widths where an
-    # 8-byte pack is the widest aligned load of every row. The kernels for single-element packs
-    # take them today; the checks are the misaligned rows' (both ops, both gradients, per-example
-    # parameters), on 3001 rows so that the last iteration of every team is partial.
+    # 8-byte pack is the widest aligned load of every row. Since session 59 the lean teams take
+    # them in 8-byte packs: forward 8 lanes of 5-7 packs up to 56 packs (132, 196; float32 66, 98),
+    # 16 lanes of 4 past that (252, 126); backward 16 lanes of 3 up to 48 packs (132; float32 66),
+    # 16-bit 32 lanes of 2 past that (196, 252); float32 past 48 packs (98, 126) and per-example
+    # parameters' forward keep single elements. The checks are the misaligned rows' (both ops,
+    # both gradients, per-example parameters), on 3001 rows so that the last iteration of every
+    # team is partial.
     x, scale, bias = _check_forward(key, dtype, 3001, cols, 3.0)
     _check_both_grads(x, scale, bias, dtype)
     _check_grouped(key, dtype, 3, 101, cols)

@@ -314,6 +314,13 @@ cudaError_t launch_full_warp(const BackwardArgs& a, const cuda::DeviceInfo& info
     if (a.shape.cols < 64 * kPack) return launch_team_lean<T, kPack, 2, 32, 4>(a, info, stream);
   }
   if constexpr (kPack == 1 && sizeof(T) <= 4) {
+    // 16-bit rms_norm rows of 129-256 single elements: two rows a warp, 16 lanes of 16. H200,
+    // session 59, bf16 rms_norm_bwd us (32 lanes of 8 -> 16 of 16; XLA): 262144x255 285.7 ->
+    // 192.6 (235.0), 262144x201 230.5 -> 160.6 (198.0), 508400x131 290.5 -> 233.2 (517.7).
+    // layer_norm lost with it (bf16 255 154.3 -> 199.8), float32 rms_norm stayed level.
+    if constexpr (sizeof(T) == 2 && kPacks == 8) {
+      if (a.shape.rms && scalar_lean<T, kPack>(a)) return launch_team_lean<T, kPack, 16, 16, 0>(a, info, stream);
+    }
     if (scalar_lean<T, kPack>(a)) return launch_team_lean<T, kPack, kPacks, 32, 0>(a, info, stream);
   }
   if constexpr (warp_acc_in_smem(kPack, kPacks)) return launch_warp<T, kPack, kPacks>(a, info, stream);
@@ -488,10 +495,41 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
   return launch_slotted<T>(backward_block<T, kPack, false>, a, info, threads, 0, stream);
 }
 
+// Rows of 33-64 8-byte packs (16-bit widths of 132-252 columns that are a multiple of 4 but not
+// of 8; float32 even widths of 66-126 not a multiple of 4) on the lean team with 8-byte packs
+// instead of single elements. H200, session 59, us (single elements -> 8-byte packs; XLA):
+// bf16 rms_norm_bwd 508400x132 334.5 -> 161.9 (293.0), 262144x196 244.0 -> 115.5 (191.5),
+// 262144x252 285.4 -> 131.0 (210.9); layer_norm_bwd 223.9 -> 179.3 (661.3), 138.3 -> 130.8,
+// 153.3 -> 143.8; float32 1048576x66 layer_norm_bwd 308.5 -> 230.2, rms_norm_bwd 356.9 -> 229.6.
+// Up to 48 packs 16 lanes of 3, past that 32 lanes of 2 (16 lanes of 3-4 lost there: bf16
+// layer_norm_bwd 196 185.6, 252 219.8). float32 rows past 48 packs keep the single elements: 16
+// lanes of 4 mixed there (524288x126 rms_norm_bwd 291.4 -> 209.7, layer_norm_bwd 243.1 -> 288.5)
+// and 32 lanes of 2 was not measured.
+template <class T>
+bool half_pack_team(const BackwardArgs& a) {
+  constexpr int kHalf = kVecPack<T> / 2;
+  const int64_t npacks = a.shape.cols / kHalf;
+  if (sizeof(T) > 4 || npacks <= 32 || npacks > (sizeof(T) == 2 ? 64 : 48)) return false;
+  return backward_pack<T>(a, a.shape.cols) == kHalf;
+}
+
+template <class T>
+cudaError_t launch_half_team(const BackwardArgs& a, const cuda::DeviceInfo& info, cudaStream_t stream) {
+  if constexpr (sizeof(T) <= 4) {
+    constexpr int kHalf = kVecPack<T> / 2;
+    if constexpr (sizeof(T) == 2) {  // (float32 stops at 48 packs: half_pack_team)
+      if (a.shape.cols / kHalf > 48) return launch_team_lean<T, kHalf, 2, 32, 0>(a, info, stream);
+    }
+    return launch_team_lean<T, kHalf, 3, 16, 0>(a, info, stream);
+  }
+  return cudaErrorInvalidValue;  // unreachable: half_pack_team is false past 4-byte types
+}
+
 template <class T>
 cudaError_t backward_typed(const BackwardArgs& a, cudaStream_t stream) {
   cuda::DeviceInfo info;
   if (cudaError_t err = cuda::device_info(&info); err != cudaSuccess) return err;
+  if (half_pack_team<T>(a)) return launch_half_team<T>(a, info, stream);
   if (backward_pack<T>(a, a.shape.cols) == kVecPack<T>)
     return backward_packed<T, kVecPack<T>>(a, info, stream);
   return backward_packed<T, 1>(a, info, stream);

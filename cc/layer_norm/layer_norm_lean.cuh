@@ -246,7 +246,8 @@ __device__ __forceinline__ void forward_lean_body(const ForwardArgs& a) {
 // bytes), of 2 packs: 48; the widest teams (64 values a lane, session 33): 16-bit 96 (80 spilled
 // 40 bytes, 72 116), float 128 (96 spilled 16); the rest as forward_team.
 template <class T>
-constexpr int lean_min_blocks(int packs, int width, int bytes) {
+constexpr int lean_min_blocks(int packs, int width, int bytes, int pack_bytes) {
+  if (pack_bytes == 8) return packs >= 7 ? 6 : 8;  // 8-byte packs (session 59: 5-7 on 8 lanes, 4 on 16)
   if (width == 16 && packs >= 16) return 6;  // float 16 a lane on 16 lanes: 80 registers (9: spilled 108 B)
   if (packs == 1 || width < 32) return bytes > 16 ? 9 : 12;
   if (bytes / static_cast<int>(sizeof(T)) >= 64) return sizeof(T) == 2 ? 5 : 4;
@@ -255,11 +256,12 @@ constexpr int lean_min_blocks(int packs, int width, int bytes) {
 }
 
 template <class T, int kPack, int kPacks, int kWidth, int kRows>
-__global__ void __launch_bounds__(128, lean_min_blocks<T>(kPacks, kWidth, kPack* kPacks * kRows * sizeof(T)))
+__global__ void __launch_bounds__(128, lean_min_blocks<T>(kPacks, kWidth, kPack* kPacks * kRows * sizeof(T),
+                                                           kPack * sizeof(T)))
     forward_lean(ForwardArgs a) {
   cuda::enter_kernel();
-  static_assert(sizeof(T) <= 4 && (kPack * sizeof(T) == 16 || kPack == 1),
-                "16-byte packs of float / 16-bit types, or single elements");
+  static_assert(sizeof(T) <= 4 && (kPack * sizeof(T) == 16 || kPack * sizeof(T) == 8 || kPack == 1),
+                "16- or 8-byte packs of float / 16-bit types, or single elements");
   if (a.shape.rms) forward_lean_body<T, kPack, kPacks, kWidth, kRows, true>(a);
   else forward_lean_body<T, kPack, kPacks, kWidth, kRows, false>(a);
 }
