@@ -78,6 +78,15 @@ def test_layer_norm_threads(key, dtype):
     xs, gs = x[:3 * 1601].reshape(3, 1601, 77), g[:3 * 1601].reshape(3, 1601, 77)
     s3, b3 = jnp.stack([scale, bias, scale]), jnp.stack([bias, scale, bias])
     same_bits(jax.jit(lambda x, s, b, g: jax.vjp(jax.vmap(jaxops.layer_norm), x, s, b)[1](g)), xs, s3, b3, gs)
+    # 16 groups: one range a group, each piece writing its own group's dscale / dbias.
+    x16, g16 = x[:16 * 301].reshape(16, 301, 77), g[:16 * 301].reshape(16, 301, 77)
+    s16, b16 = jnp.tile(scale, (16, 1)), jnp.tile(bias, (16, 1))
+    grouped = jax.jit(lambda x, s, b, g: jax.vjp(jax.vmap(jaxops.layer_norm), x, s, b)[1](g))
+    got = same_bits(grouped, x16, s16, b16, g16)
+    f32 = lambda *a: [v.astype(jnp.float32) for v in a]
+    want = jax.vjp(jax.vmap(lambda x, s, b: ln_ref(*f32(x, s, b))), x16, s16, b16)[1](g16.astype(jnp.float32))
+    for a, w in zip(got, want):
+        assert_close(a, w.astype(dtype), dtype, rtol=0.05, atol=0.05)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -108,9 +108,10 @@ void backward_rows(const BackwardArgs& a, int64_t g, int64_t r0, int64_t r1, dou
   flush();
 }
 
-// dscale (and dbias) of group g: the sums of its `parts` consecutive row ranges, added in order.
+// dscale (and dbias) of group g from the sums of its `parts` consecutive row ranges (group_sums:
+// 2 n doubles a range, dscale's then dbias's), added in order.
 template <class T>
-void store_param_grads(const BackwardArgs& a, int64_t g, int64_t parts, const double* sums) {
+void store_param_grads(const BackwardArgs& a, int64_t g, int64_t parts, const double* group_sums) {
   using A = acc_t<T>;
   const int64_t n = a.shape.cols;
   std::vector<A> t(n);
@@ -119,7 +120,7 @@ void store_param_grads(const BackwardArgs& a, int64_t g, int64_t parts, const do
     if (out == nullptr) continue;
     for (int64_t c = 0; c < n; ++c) {
       double v = 0.0;
-      for (int64_t p = 0; p < parts; ++p) v += sums[(2 * (g * parts + p) + k) * n + c];
+      for (int64_t p = 0; p < parts; ++p) v += group_sums[(2 * p + k) * n + c];
       t[c] = static_cast<A>(v);
     }
     cpu::narrow(t.data(), out + g * n, n);
@@ -140,14 +141,20 @@ int64_t backward_parts(const Shape& s) {
 
 bool backward_cpu(const BackwardArgs& a, int64_t parts, int64_t i0, int64_t i1, double* sums) {
   const Shape& s = a.shape;
+  // One range a group: its sums go straight to dscale / dbias, through a scratch of 2 n doubles
+  // (not a buffer of 2 n a group: many small vmapped groups would make that larger than x).
+  std::vector<double> own(sums == nullptr ? 2 * s.cols : 0);
   return cpu::run_isa([&](auto w) {
     return cpu::dispatch_float(a.dtype, [&](auto tag) {
+      using T = decltype(tag);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t g = i / parts;
         int64_t r0, r1;
         cpu::part_rows(s.rows_per_group, parts, i % parts, &r0, &r1);
-        backward_rows<w.value, decltype(tag)>(a, g, g * s.rows_per_group + r0, g * s.rows_per_group + r1,
-                                              sums + 2 * i * s.cols, sums + (2 * i + 1) * s.cols);
+        double* piece = sums != nullptr ? sums + 2 * i * s.cols : own.data();
+        backward_rows<w.value, T>(a, g, g * s.rows_per_group + r0, g * s.rows_per_group + r1, piece,
+                                  piece + s.cols);
+        if (sums == nullptr) store_param_grads<T>(a, g, 1, piece);
       }
     });
   });
@@ -155,7 +162,8 @@ bool backward_cpu(const BackwardArgs& a, int64_t parts, int64_t i0, int64_t i1, 
 
 bool store_param_grads_cpu(const BackwardArgs& a, int64_t parts, int64_t g0, int64_t g1, const double* sums) {
   return cpu::dispatch_float(a.dtype, [&](auto tag) {
-    for (int64_t g = g0; g < g1; ++g) store_param_grads<decltype(tag)>(a, g, parts, sums);
+    for (int64_t g = g0; g < g1; ++g)
+      store_param_grads<decltype(tag)>(a, g, parts, sums + 2 * g * parts * a.shape.cols);
   });
 }
 

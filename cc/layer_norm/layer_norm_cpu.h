@@ -16,8 +16,9 @@ bool forward_cpu(const ForwardArgs& a, int64_t r0, int64_t r1);
 // Piece i = g * parts + p writes dx of its rows and the double sums of their dscale / dbias
 // terms to sums[2 i n, 2 i n + n) / [(2 i + 1) n, (2 i + 2) n) (n = cols). backward_cpu runs
 // pieces [i0, i1); store_param_grads_cpu then adds each group's parts in order into dscale (and
-// dbias) for groups [g0, g1), so the result does not depend on which thread ran what. The CPU
-// needs no workspace.
+// dbias) for groups [g0, g1), so the result does not depend on which thread ran what. With one
+// part a group, sums may be null: each piece then writes its group's dscale / dbias itself. The
+// CPU needs no workspace.
 int64_t backward_parts(const Shape& s);
 bool backward_cpu(const BackwardArgs& a, int64_t parts, int64_t i0, int64_t i1, double* sums);
 bool store_param_grads_cpu(const BackwardArgs& a, int64_t parts, int64_t g0, int64_t g1, const double* sums);

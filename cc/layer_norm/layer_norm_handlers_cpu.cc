@@ -21,8 +21,13 @@ void forward_parallel(ffi::ThreadPool& pool, const ForwardArgs& a) {
 void backward_parallel(ffi::ThreadPool& pool, const BackwardArgs& a) {
   const Shape& s = a.shape;
   const int64_t parts = backward_parts(s);
-  std::vector<double> sums(2 * s.groups * parts * s.cols);
   const int64_t piece_cost = s.rows_per_group / parts * s.cols;
+  if (parts == 1) {  // a group a piece: each writes its own dscale / dbias
+    cpu::parallel_for(pool, s.groups, piece_cost, 1,
+                      [&](int64_t g0, int64_t g1) { backward_cpu(a, 1, g0, g1, nullptr); });
+    return;
+  }
+  std::vector<double> sums(2 * s.groups * parts * s.cols);
   cpu::parallel_for(pool, s.groups * parts, piece_cost, 1,
                     [&](int64_t i0, int64_t i1) { backward_cpu(a, parts, i0, i1, sums.data()); });
   cpu::parallel_for(pool, s.groups, parts * s.cols, 1,
