@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -265,9 +266,7 @@ void stats_cpu(const View& v, const void* x, void* mean, void* var, const ForRan
 }
 
 RowBlocks row_blocks(const View& v, int64_t min_rows) {
-  // rows C a multiple of 32, so that a block's mask bits start a word
-  int64_t align = 32;
-  for (int64_t c = v.channels; align > 1 && c % 2 == 0; c /= 2) align /= 2;
+  const int64_t align = 32 / std::gcd<int64_t>(v.channels, 32);  // rows C a multiple of 32: whole mask words
   const int64_t want = (std::max<int64_t>(min_rows, 1) + align - 1) / align * align;
   const int64_t rows = std::min(std::max<int64_t>(v.rows, 1), want);
   return RowBlocks{rows, (v.rows + rows - 1) / rows};

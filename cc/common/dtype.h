@@ -15,15 +15,4 @@ inline const char* dtype_name(Dtype d) {
   }
 }
 
-// Bytes an element (0 for kInvalid).
-inline constexpr int dtype_size(Dtype d) {
-  switch (d) {
-    case Dtype::kF32: return 4;
-    case Dtype::kF64: return 8;
-    case Dtype::kBF16:
-    case Dtype::kF16: return 2;
-    default: return 0;
-  }
-}
-
 }  // namespace jaxops

@@ -17,7 +17,7 @@ ffi::Error ReduceCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi
   View v;
   if (auto err = check_reduce(x, *y, *ws, op, splits, &v); err.failure()) return err;
   if (v.outer * v.inner == 0) return ffi::Error::Success();
-  const int64_t in_slice = v.reduced * v.inner * dtype_size(v.dtype);
+  const int64_t in_slice = v.reduced * v.inner * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
   const int64_t out_slice = static_cast<int64_t>(y->size_bytes()) / v.outer;
   const auto* xs = static_cast<const char*>(x.untyped_data());
   auto* ys = static_cast<char*>(y->untyped_data());

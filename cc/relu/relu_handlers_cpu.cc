@@ -27,7 +27,7 @@ ffi::Error ForwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::A
   View v;
   if (auto err = check_forward(x, *y, *mask, with_mask != 0, &v); err.failure()) return err;
   if (v.rows * v.cols == 0) return ffi::Error::Success();
-  const int64_t size = dtype_size(v.dtype);
+  const int64_t size = static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
   const auto* xs = static_cast<const char*>(x.untyped_data());
   auto* ys = static_cast<char*>(y->untyped_data());
   auto* words = static_cast<uint32_t*>(mask->untyped_data());
@@ -42,7 +42,7 @@ ffi::Error BackwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer m
   View v;
   if (auto err = check_backward(dy, mask, *dx, &v); err.failure()) return err;
   if (v.rows * v.cols == 0) return ffi::Error::Success();
-  const int64_t size = dtype_size(v.dtype);
+  const int64_t size = static_cast<int64_t>(ffi::ByteWidth(dy.element_type()));
   const auto* gs = static_cast<const char*>(dy.untyped_data());
   const auto* words = static_cast<const uint32_t*>(mask.untyped_data());
   auto* out = static_cast<char*>(dx->untyped_data());

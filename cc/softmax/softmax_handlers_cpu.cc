@@ -13,7 +13,7 @@ ffi::Error ForwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer mas
   RowsView v;
   if (auto err = check_forward(x, mask, masked, *y, &v); err.failure()) return err;
   if (v.rows * v.cols == 0) return ffi::Error::Success();
-  const int64_t row = v.cols * dtype_size(v.dtype);
+  const int64_t row = v.cols * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
   const auto* xs = static_cast<const char*>(x.untyped_data());
   const bool* keep = masked ? static_cast<const bool*>(mask.untyped_data()) : nullptr;
   auto* ys = static_cast<char*>(y->untyped_data());
@@ -29,7 +29,7 @@ ffi::Error BackwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer dy
   RowsView v;
   if (auto err = check_backward(y, dy, mask, masked, *dx, &v); err.failure()) return err;
   if (v.rows * v.cols == 0) return ffi::Error::Success();
-  const int64_t row = v.cols * dtype_size(v.dtype);
+  const int64_t row = v.cols * static_cast<int64_t>(ffi::ByteWidth(y.element_type()));
   const auto* ys = static_cast<const char*>(y.untyped_data());
   const auto* gs = static_cast<const char*>(dy.untyped_data());
   const bool* keep = masked ? static_cast<const bool*>(mask.untyped_data()) : nullptr;
