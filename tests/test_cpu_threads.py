@@ -34,7 +34,7 @@ def same_bits(fn, *args):
     pooled = jax.block_until_ready(fn(*args))
     alone = one_thread(fn, *args)
     for a, b in zip(jax.tree_util.tree_leaves(pooled), jax.tree_util.tree_leaves(alone)):
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+        np.testing.assert_array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
     return pooled
 
 
@@ -112,6 +112,41 @@ def test_reductions_threads(key, dtype):
                 np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, axis=axis)))
             else:
                 assert_close(got, want.astype(dtype), dtype, rtol=0.02, atol=0.02)
+
+
+REDUCTIONS = ("sum", "mean", "max", "min", "logsumexp", "argmax", "argmin")
+
+
+def reduction_ref(name, x, axis):
+    """The reference in float32: numpy's for the extrema and their indices (XLA:CPU's max of
+    columns dropped a NaN, jax 0.10), JAX's for the rest."""
+    x32 = x.astype(jnp.float32)
+    if name in ("max", "min", "argmax", "argmin"):
+        return getattr(np, name)(np.asarray(x32), axis=axis)
+    return jax.nn.logsumexp(x32, axis=axis) if name == "logsumexp" else getattr(jnp, name)(x32, axis=axis)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape, axis", [((300007,), -1), ((517, 601), None), ((20011, 37), 0), ((3001, 257), 0)])
+def test_reduction_slice_threads(key, dtype, shape, axis):
+    """One slice (a long row, the whole array, the columns of a matrix) split between threads in
+    pieces of a power of two blocks / leaves: the serial answer bit for bit. The planted values sit
+    in different pieces: a tie of the max (the first index wins), -inf and +inf columns, and NaNs
+    (the first one wins argmax) in a second copy."""
+    x = normal(key, shape, dtype).reshape(-1, shape[-1])
+    x = x.at[len(x) // 5, 1].set(9).at[len(x) * 4 // 5, 1].set(9)
+    x = x.at[:, 2].set(-jnp.inf).at[len(x) // 3, 3].set(jnp.inf).reshape(shape)
+    flat = x.reshape(-1)
+    nans = flat.at[flat.size // 3].set(jnp.nan).at[flat.size * 2 // 3].set(jnp.nan).reshape(shape)
+    for name in REDUCTIONS:
+        f = jax.jit(lambda x: getattr(jaxops, name)(x, axis=axis))
+        for data in (x, nans):
+            got = same_bits(f, data)
+            want = reduction_ref(name, data, axis)
+            if name.startswith("arg"):
+                np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
+            else:
+                assert_close(got, jnp.asarray(want).astype(dtype), dtype, rtol=0.02, atol=0.02, err_msg=name)
 
 
 def test_knn_threads(key):

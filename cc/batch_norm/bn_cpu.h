@@ -2,15 +2,13 @@
 // (bn_math.h); statistics accumulate in float64.
 #pragma once
 #include <cstdint>
-#include <functional>
 
 #include "batch_norm/bn_args.h"
+#include "common/cpu_parts.h"
 
 namespace jaxops::batch_norm {
 
-// Runs fn(begin, end) over disjoint ranges covering [0, n), `cost` elements a unit (on XLA's
-// thread pool, from the handlers).
-using ForRanges = std::function<void(int64_t n, int64_t cost, const std::function<void(int64_t, int64_t)>& fn)>;
+using cpu::ForRanges;
 
 // Per-channel mean and biased variance over the R rows of each group (two-pass, float64). The
 // sums run over row ranges (cpu::row_parts: the shape alone decides them) on for_ranges, then

@@ -1,7 +1,6 @@
 // CPU FFI handlers of batch_norm: statistics, normalize(+add+relu), both fused, backward reduce,
 // backward dx, both fused.
 #include <algorithm>
-#include <functional>
 
 #include "batch_norm/bn_args.h"
 #include "batch_norm/bn_cpu.h"
@@ -10,13 +9,6 @@
 
 namespace jaxops::batch_norm {
 namespace {
-
-// The twins' ranges on XLA's pool.
-ForRanges on_pool(ffi::ThreadPool& pool) {
-  return [&pool](int64_t n, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
-    cpu::parallel_for(pool, n, cost, 1, fn);
-  };
-}
 
 // The row-wise passes on XLA's pool: blocks of rows (whole mask words each) to each thread.
 template <class Fn>
@@ -32,7 +24,7 @@ ffi::Error StatsCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::Any
   int64_t cap = 0;
   if (auto err = check_stats(x, *mean, *var, *ws, &v, &cap); err.failure()) return err;
   if (v.elements() == 0) return ffi::Error::Success();
-  stats_cpu(v, x.untyped_data(), mean->untyped_data(), var->untyped_data(), on_pool(pool));
+  stats_cpu(v, x.untyped_data(), mean->untyped_data(), var->untyped_data(), cpu::on_pool(pool));
   return ffi::Error::Success();
 }
 
@@ -68,7 +60,7 @@ ffi::Error ForwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer sca
       err.failure())
     return err;
   if (v.elements() == 0) return ffi::Error::Success();
-  stats_cpu(v, x.untyped_data(), mean->untyped_data(), var->untyped_data(), on_pool(pool));
+  stats_cpu(v, x.untyped_data(), mean->untyped_data(), var->untyped_data(), cpu::on_pool(pool));
   for_row_blocks(pool, v, [&](const RowBlocks& b, int64_t u0, int64_t u1) {
     apply_cpu(v, x.untyped_data(), scale.untyped_data(), bias.untyped_data(), mean->untyped_data(),
               var->untyped_data(), has_residual ? residual.untyped_data() : nullptr, y->untyped_data(),
@@ -90,7 +82,7 @@ ffi::Error BackwardReduceCpu(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBu
   if (v.groups * v.channels == 0) return ffi::Error::Success();
   backward_reduce_cpu(v, dy.untyped_data(), x.untyped_data(),
                       relu ? static_cast<const uint32_t*>(mask.untyped_data()) : nullptr, mean.untyped_data(),
-                      var.untyped_data(), sum_dy->untyped_data(), sum_dyxhat->untyped_data(), eps, on_pool(pool));
+                      var.untyped_data(), sum_dy->untyped_data(), sum_dyxhat->untyped_data(), eps, cpu::on_pool(pool));
   return ffi::Error::Success();
 }
 
@@ -133,7 +125,7 @@ ffi::Error BackwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x
   if (v.groups * v.channels == 0) return ffi::Error::Success();
   const uint32_t* bits = relu ? static_cast<const uint32_t*>(mask.untyped_data()) : nullptr;
   backward_reduce_cpu(v, dy.untyped_data(), x.untyped_data(), bits, mean.untyped_data(), var.untyped_data(),
-                      sum_dy->untyped_data(), sum_dyxhat->untyped_data(), eps, on_pool(pool));
+                      sum_dy->untyped_data(), sum_dyxhat->untyped_data(), eps, cpu::on_pool(pool));
   if (v.elements() == 0) return ffi::Error::Success();
   for_row_blocks(pool, v, [&](const RowBlocks& b, int64_t u0, int64_t u1) {
     backward_dx_cpu(v, dy.untyped_data(), x.untyped_data(), bits, scale.untyped_data(), mean.untyped_data(),

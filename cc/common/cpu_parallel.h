@@ -69,4 +69,11 @@ void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, int64_t cost, int64_t a
   shared->cv.wait(lock, [&] { return shared->finished == chunks; });
 }
 
+// parallel_for as a ForRanges (for twins that take their ranges as an argument).
+inline ForRanges on_pool(xla::ffi::ThreadPool& pool) {
+  return [&pool](int64_t n, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
+    parallel_for(pool, n, cost, 1, fn);
+  };
+}
+
 }  // namespace jaxops::cpu

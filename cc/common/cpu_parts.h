@@ -3,8 +3,13 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 
 namespace jaxops::cpu {
+
+// Runs fn(begin, end) over disjoint ranges covering [0, n), `cost` elements a unit: the twins'
+// own files take one of these (cpu::on_pool in cpu_parallel.h puts it on XLA's pool).
+using ForRanges = std::function<void(int64_t n, int64_t cost, const std::function<void(int64_t, int64_t)>& fn)>;
 
 // Below this many elements a piece, a task's hand-off costs more than it saves.
 inline constexpr int64_t kParallelGrain = 1 << 15;

@@ -215,4 +215,19 @@ auto run_isa(F&& f) {
   return f(std::integral_constant<int, 4>{});
 }
 
+// f(std::integral_constant<int, W>) in the clone run_isa chose W for (run_avx512 / run_avx2 /
+// baseline), without choosing again: for code of a W clone that leaves it (a std::function's body
+// is compiled for the baseline ISA) and must come back to the same W.
+template <int W, class F>
+auto run_at(F&& f) {
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+  if constexpr (W == 16) return run_avx512(f);
+  else if constexpr (W == 8) return run_avx2(f);
+  else return f(std::integral_constant<int, 4>{});
+#else
+  static_assert(W == 4, "wider clones exist on x86-64 only");
+  return f(std::integral_constant<int, 4>{});
+#endif
+}
+
 }  // namespace jaxops::cpu

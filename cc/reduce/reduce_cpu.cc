@@ -94,33 +94,52 @@ typename Op::State row_blocks(const T* x, int64_t n) {
   return fold.result(Op::identity());
 }
 
-// argmax (kMax) / argmin of one contiguous row: its NaN-propagating extremum (lane_extremum, a
-// block at a time), then the first index holding it (first_index_of): jnp.argmax's answer (the
-// first NaN, else the lowest index among ties, -0 and +0 equal) in two vectorized passes instead
-// of a compare-and-branch an element (session 52's twin: 3 ns an element, 1.3x XLA's time).
-// 16-bit rows are widened for the second pass only, or once when they are one block long.
+// A row's NaN-propagating extremum and the first kSumBlock-element block that holds it.
+template <class A>
+struct BlockExtremum {
+  A m;
+  int64_t block;  // its first element's index in the row
+};
+
+// Whether `next`, from later in the row, replaces `run` in the argmax (kMax) / argmin: it is
+// better, or the first NaN (ties and later NaNs keep the earlier block, which holds the first).
+template <bool kMax, class A>
+bool replaces(const BlockExtremum<A>& next, const BlockExtremum<A>& run) {
+  return run.m == run.m && cpu::beats<kMax>(next.m, run.m);
+}
+
+// BlockExtremum of a contiguous row (starting at `base` in its row), one pass a block at a time.
+template <int W, bool kMax, class T>
+BlockExtremum<acc_t<T>> row_extremum(const T* x, int64_t n, int64_t base) {
+  using A = acc_t<T>;
+  BlockExtremum<A> run{kMax ? -std::numeric_limits<A>::infinity() : std::numeric_limits<A>::infinity(), base};
+  for (int64_t b = 0; b < n; b += cpu::kSumBlock) {
+    const BlockExtremum<A> next{cpu::lane_extremum<W, kMax>(x + b, std::min(cpu::kSumBlock, n - b)), base + b};
+    if (replaces<kMax>(next, run)) run = next;
+  }
+  return run;
+}
+
+// The first index of row x (n elements) holding e.m: in block e.block (first_index_of); 0 for an
+// empty row.
+template <int W, class T>
+int32_t find_in_block(const T* x, int64_t n, const BlockExtremum<acc_t<T>>& e) {
+  using A = acc_t<T>;
+  const int64_t len = std::min(cpu::kSumBlock, n - e.block);
+  if (len <= 0) return 0;
+  A scratch[std::is_same_v<T, A> ? 1 : cpu::kSumBlock];
+  const int64_t i = cpu::first_index_of<W>(cpu::acc_row(x + e.block, scratch, len), len, e.m);
+  return static_cast<int32_t>(i < len ? e.block + i : 0);  // (no match: unreachable)
+}
+
+// argmax (kMax) / argmin of one contiguous row: its NaN-propagating extremum and the block where
+// it first occurs (row_extremum), then the first index in that block holding it: jnp.argmax's
+// answer (the first NaN, else the lowest index among ties, -0 and +0 equal) in one vectorized pass
+// and one block, instead of a compare-and-branch an element (session 52's twin: 3 ns an element)
+// or a second pass (session 53's to session 59's). 16-bit rows are widened for the last block only.
 template <int W, bool kMax, class T>
 int32_t row_arg(const T* x, int64_t n) {
-  using A = acc_t<T>;
-  A scratch[std::is_same_v<T, A> ? 1 : cpu::kSumBlock];
-  if constexpr (!std::is_same_v<T, A>) {
-    if (n <= cpu::kSumBlock) {  // one block: widened once for both passes
-      cpu::widen(x, scratch, n);
-      return row_arg<W, kMax>(static_cast<const A*>(scratch), n);
-    }
-  }
-  A m = kMax ? -std::numeric_limits<A>::infinity() : std::numeric_limits<A>::infinity();
-  for (int64_t b = 0; b < n; b += cpu::kSumBlock) {
-    const A bm = cpu::lane_extremum<W, kMax>(x + b, std::min(cpu::kSumBlock, n - b));
-    if (cpu::beats<kMax>(bm, m)) m = bm;
-  }
-  for (int64_t b = 0; b < n; b += cpu::kSumBlock) {
-    const int64_t len = std::min(cpu::kSumBlock, n - b);
-    const A* buf = cpu::acc_row(x + b, scratch, len);
-    const int64_t i = cpu::first_index_of<W>(buf, len, m);
-    if (i < len) return static_cast<int32_t>(b + i);
-  }
-  return 0;  // empty rows (and, unreachably, no match)
+  return find_in_block<W>(x, n, row_extremum<W, kMax>(x, n, 0));
 }
 
 // Rows [lo, hi) of a (reduced, inner) slab, widened a row at a time into `row` (inner elements).
@@ -144,9 +163,9 @@ void columns_pairwise(const T* x, int64_t lo, int64_t hi, int64_t inner, typenam
 
 // The columns of a (reduced, inner) slab for kFloatColumns ops: leaves of kLeaf rows in order
 // (column_leaf), the leaves folded pairwise by PairwiseFold; no recursion, so all of it inlines
-// into the AVX2 clone.
+// into the AVX2 clone. The arg ops count rows from `base` (the slab's first row in its slice).
 template <int W, class Op, class T>
-void columns_fold(const T* x, int64_t reduced, int64_t inner, typename Op::State* out) {
+void columns_fold(const T* x, int64_t reduced, int64_t inner, typename Op::State* out, int64_t base = 0) {
   using S = std::vector<typename Op::State>;
   const auto merge = [inner](const S& left, S& right) {
     for (int64_t c = 0; c < inner; ++c) right[c] = Op::merge(left[c], right[c]);
@@ -160,7 +179,7 @@ void columns_fold(const T* x, int64_t reduced, int64_t inner, typename Op::State
     if constexpr (kArgOp<Op>) {  // values and indices apart, so the tiles hold them in vectors
       std::fill(best.begin(), best.end(), Op::identity().v);
       std::fill(idx.begin(), idx.end(), Op::identity().i);
-      cpu::column_arg_leaf<W, Op::kIsMax>(x + r0 * inner, r0, rows, inner, best.data(), idx.data());
+      cpu::column_arg_leaf<W, Op::kIsMax>(x + r0 * inner, base + r0, rows, inner, best.data(), idx.data());
       for (int64_t c = 0; c < inner; ++c) leaf[c] = {best[c], idx[c]};
     } else if constexpr (kSumOp<Op>) {
       cpu::column_leaf<W, true, true>(x + r0 * inner, rows, inner, leaf.data());
@@ -173,15 +192,13 @@ void columns_fold(const T* x, int64_t reduced, int64_t inner, typename Op::State
   std::copy(total.begin(), total.end(), out);
 }
 
-// Column logsumexp: the columns' max (pairwise, as max_cols), then the sums of exp(x - max),
-// leaves of kLeaf rows (float states: cpu::column_exp_sums, register tiles) folded by
-// PairwiseFold (no recursion: all of it inlines into the AVX2 clone), then max + log(sum).
+// out[c] = the sum over the slab's rows of exp(x - mx[c]): leaves of kLeaf rows (float states:
+// cpu::column_exp_sums, register tiles) folded by PairwiseFold (no recursion: all of it inlines
+// into the AVX2 clone).
 template <int W, class T>
-void columns_logsumexp(const T* x, int64_t reduced, int64_t inner, acc_t<T>* out) {
+void columns_exp_fold(const T* x, int64_t reduced, int64_t inner, const acc_t<T>* mx, acc_t<T>* out) {
   using A = acc_t<T>;
-  std::vector<A> mx(inner, -std::numeric_limits<A>::infinity()), row(inner);
-  if constexpr (std::is_same_v<A, float>) columns_fold<W, ExtremumOp<A, true>>(x, reduced, inner, mx.data());
-  else columns_pairwise<ExtremumOp<A, true>>(x, 0, reduced, inner, mx.data(), row.data());
+  std::vector<A> row(std::is_same_v<A, float> ? 0 : inner);
   const auto add = [inner](const std::vector<A>& left, std::vector<A>& right) {
     for (int64_t c = 0; c < inner; ++c) right[c] = left[c] + right[c];
   };
@@ -190,7 +207,7 @@ void columns_logsumexp(const T* x, int64_t reduced, int64_t inner, acc_t<T>* out
     std::vector<A> leaf(inner, A(0));
     const int64_t rows = std::min(reduced, r0 + kLeaf) - r0;
     if constexpr (std::is_same_v<A, float>) {
-      cpu::column_exp_sums<W>(x + r0 * inner, rows, inner, mx.data(), leaf.data());
+      cpu::column_exp_sums<W>(x + r0 * inner, rows, inner, mx, leaf.data());
     } else {
       for (int64_t r = r0; r < r0 + rows; ++r) {
         cpu::widen(x + r * inner, row.data(), inner);
@@ -202,7 +219,25 @@ void columns_logsumexp(const T* x, int64_t reduced, int64_t inner, acc_t<T>* out
     fold.push(std::move(leaf));
   }
   const std::vector<A> sum = fold.result(std::vector<A>(inner, A(0)));
+  std::copy(sum.begin(), sum.end(), out);
+}
+
+// logsumexp of columns from their max and their sums of exp(x - max).
+template <class A>
+void finish_logsumexp(const A* mx, const A* sum, int64_t inner, A* out) {
   for (int64_t c = 0; c < inner; ++c) out[c] = std::isfinite(mx[c]) ? mx[c] + std::log(sum[c]) : mx[c];
+}
+
+// Column logsumexp: the columns' max (pairwise, as max_cols), then the sums of exp(x - max)
+// (columns_exp_fold), then max + log(sum).
+template <int W, class T>
+void columns_logsumexp(const T* x, int64_t reduced, int64_t inner, acc_t<T>* out) {
+  using A = acc_t<T>;
+  std::vector<A> mx(inner, -std::numeric_limits<A>::infinity()), row(inner), sum(inner);
+  if constexpr (std::is_same_v<A, float>) columns_fold<W, ExtremumOp<A, true>>(x, reduced, inner, mx.data());
+  else columns_pairwise<ExtremumOp<A, true>>(x, 0, reduced, inner, mx.data(), row.data());
+  columns_exp_fold<W>(x, reduced, inner, mx.data(), sum.data());
+  finish_logsumexp(mx.data(), sum.data(), inner, out);
 }
 
 template <class Op, class T>
@@ -251,6 +286,118 @@ void run_kind(OpKind kind, const T* x, void* y, int64_t outer, int64_t reduced, 
   }
 }
 
+// ---- One slice over many threads ----
+// The slice's units (kSumBlock-element blocks of a row; kLeaf-row leaves of columns) go to pieces
+// of a power of two of them. Each piece runs the serial code on its part of the slice, then the
+// pieces' states are folded in order. A piece folds an aligned power-of-two run of units, which is
+// a subtree of the serial fold's tree, and PairwiseFold merges right to left, so the answer is the
+// serial one bit for bit, whatever the piece size or the thread count.
+constexpr int64_t kMaxPieces = 64;
+
+struct Pieces {
+  int64_t rows = 0;   // slice rows a piece (its last one shorter)
+  int64_t count = 1;  // pieces; 1: the serial code
+};
+
+Pieces slice_pieces(int64_t reduced, int64_t inner) {
+  const int64_t unit = inner == 1 ? cpu::kSumBlock : kLeaf;
+  const int64_t units = (reduced + unit - 1) / unit;
+  int64_t per = 1;  // units a piece
+  while (per * unit * inner < cpu::kParallelGrain || (units + per - 1) / per > kMaxPieces) per *= 2;
+  return {per * unit, (units + per - 1) / per};
+}
+
+// piece(p, first row, rows) for every piece, on `ranges`. A std::function's body is compiled for
+// the baseline ISA, so each range goes back into this W's clone (run_at).
+template <int W, class Fn>
+void for_pieces(const cpu::ForRanges& ranges, const Pieces& ps, int64_t reduced, int64_t inner, const Fn& piece) {
+  ranges(ps.count, ps.rows * inner, [&](int64_t p0, int64_t p1) {
+    cpu::run_at<W>([&](auto) {
+      for (int64_t p = p0; p < p1; ++p) piece(p, p * ps.rows, std::min(ps.rows, reduced - p * ps.rows));
+    });
+  });
+}
+
+// The pieces' states folded in order (see above).
+template <class S, class Merge>
+S fold_pieces(std::vector<S>& states, Merge merge, S empty) {
+  PairwiseFold<S, Merge> fold(merge);
+  for (S& s : states) fold.push(std::move(s));
+  return fold.result(std::move(empty));
+}
+
+// The columns' states (columns_fold) of a slice, in pieces.
+template <int W, class Op, class T>
+std::vector<typename Op::State> columns_in_pieces(const T* x, int64_t reduced, int64_t inner, const Pieces& ps,
+                                                  const cpu::ForRanges& ranges) {
+  using S = std::vector<typename Op::State>;
+  std::vector<S> states(ps.count, S(inner));
+  for_pieces<W>(ranges, ps, reduced, inner, [&](int64_t p, int64_t r0, int64_t rows) {
+    columns_fold<W, Op>(x + r0 * inner, rows, inner, states[p].data(), r0);
+  });
+  const auto merge = [inner](const S& left, S& right) {
+    for (int64_t c = 0; c < inner; ++c) right[c] = Op::merge(left[c], right[c]);
+  };
+  return fold_pieces(states, merge, S(inner, Op::identity()));
+}
+
+template <int W, class Op, class T>
+void run_slice(const T* x, void* y, int64_t reduced, int64_t inner, const Pieces& ps, const cpu::ForRanges& ranges) {
+  using A = acc_t<T>;
+  using S = typename Op::State;
+  if (inner == 1) {
+    if constexpr (Op::kIndex) {  // each piece's extremum and block, the first best of them
+      std::vector<BlockExtremum<A>> ext(ps.count);
+      for_pieces<W>(ranges, ps, reduced, 1, [&](int64_t p, int64_t r0, int64_t n) {
+        ext[p] = row_extremum<W, Op::kIsMax>(x + r0, n, r0);
+      });
+      BlockExtremum<A> run = ext[0];
+      for (const BlockExtremum<A>& e : ext) run = replaces<Op::kIsMax>(e, run) ? e : run;
+      static_cast<int32_t*>(y)[0] = find_in_block<W>(x, reduced, run);
+    } else {
+      std::vector<S> states(ps.count);
+      for_pieces<W>(ranges, ps, reduced, 1, [&](int64_t p, int64_t r0, int64_t n) {
+        states[p] = row_blocks<W, Op>(x + r0, n);
+      });
+      const auto merge = [](const S& left, S& right) { right = Op::merge(left, right); };
+      store<Op, T>(y, 0, fold_pieces(states, merge, Op::identity()), reduced);
+    }
+  } else if constexpr (std::is_same_v<Op, LogSumExpOp<A>> && std::is_same_v<A, float>) {
+    const std::vector<A> mx = columns_in_pieces<W, ExtremumOp<A, true>>(x, reduced, inner, ps, ranges);
+    std::vector<std::vector<A>> sums(ps.count, std::vector<A>(inner));
+    for_pieces<W>(ranges, ps, reduced, inner, [&](int64_t p, int64_t r0, int64_t rows) {
+      columns_exp_fold<W>(x + r0 * inner, rows, inner, mx.data(), sums[p].data());
+    });
+    const auto add = [inner](const std::vector<A>& left, std::vector<A>& right) {
+      for (int64_t c = 0; c < inner; ++c) right[c] = left[c] + right[c];
+    };
+    const std::vector<A> sum = fold_pieces(sums, add, std::vector<A>(inner, A(0)));
+    std::vector<A> lse(inner);
+    finish_logsumexp(mx.data(), sum.data(), inner, lse.data());
+    for (int64_t c = 0; c < inner; ++c) static_cast<T*>(y)[c] = from_float<T>(lse[c]);
+  } else if constexpr (kFloatColumns<Op>) {
+    const std::vector<S> acc = columns_in_pieces<W, Op>(x, reduced, inner, ps, ranges);
+    for (int64_t c = 0; c < inner; ++c) store<Op, T>(y, c, acc[c], reduced);
+  } else {  // float64 columns (pairwise halves, not PairwiseFold): one thread
+    run<W, Op>(x, y, 1, reduced, inner);
+  }
+}
+
+template <int W, class T>
+void run_slice_kind(OpKind kind, const T* x, void* y, int64_t reduced, int64_t inner, const Pieces& ps,
+                    const cpu::ForRanges& ranges) {
+  using A = acc_t<T>;
+  switch (kind) {
+    case OpKind::kSum: return run_slice<W, SumOp<A, false>>(x, y, reduced, inner, ps, ranges);
+    case OpKind::kMean: return run_slice<W, SumOp<A, true>>(x, y, reduced, inner, ps, ranges);
+    case OpKind::kMax: return run_slice<W, ExtremumOp<A, true>>(x, y, reduced, inner, ps, ranges);
+    case OpKind::kMin: return run_slice<W, ExtremumOp<A, false>>(x, y, reduced, inner, ps, ranges);
+    case OpKind::kLogSumExp: return run_slice<W, LogSumExpOp<A>>(x, y, reduced, inner, ps, ranges);
+    case OpKind::kArgMax: return run_slice<W, ArgOp<A, true>>(x, y, reduced, inner, ps, ranges);
+    case OpKind::kArgMin: return run_slice<W, ArgOp<A, false>>(x, y, reduced, inner, ps, ranges);
+  }
+}
+
 }  // namespace
 
 bool reduce_cpu(OpKind kind, Dtype dtype, const void* x, void* y, int64_t outer, int64_t reduced,
@@ -259,6 +406,18 @@ bool reduce_cpu(OpKind kind, Dtype dtype, const void* x, void* y, int64_t outer,
     return cpu::dispatch_float(dtype, [&](auto tag) {
       using T = decltype(tag);
       run_kind<w.value>(kind, static_cast<const T*>(x), y, outer, reduced, inner);
+    });
+  });
+}
+
+bool reduce_slice_cpu(OpKind kind, Dtype dtype, const void* x, void* y, int64_t reduced, int64_t inner,
+                      const cpu::ForRanges& ranges) {
+  const Pieces ps = slice_pieces(reduced, inner);
+  if (ps.count <= 1) return reduce_cpu(kind, dtype, x, y, 1, reduced, inner);
+  return cpu::run_isa([&](auto w) {
+    return cpu::dispatch_float(dtype, [&](auto tag) {
+      using T = decltype(tag);
+      run_slice_kind<w.value>(kind, static_cast<const T*>(x), y, reduced, inner, ps, ranges);
     });
   });
 }

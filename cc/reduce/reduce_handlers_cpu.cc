@@ -10,8 +10,9 @@ namespace jaxops::reduce {
 namespace {
 
 // The outer slices (x[o] of reduced x inner elements, y[o] of inner results) are independent:
-// each thread of XLA's pool takes whole ones. A single slice (columns of a matrix, the whole
-// array) stays on one thread, its summation order unchanged.
+// each thread of XLA's pool takes whole ones. When there are fewer slices than threads (the
+// columns of a matrix, the whole array), each slice is split instead (reduce_slice_cpu: the same
+// answer, so the thread count never changes it).
 ffi::Error ReduceCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::AnyBuffer> ws, int64_t op, int64_t splits) {
   View v;
@@ -22,10 +23,16 @@ ffi::Error ReduceCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi
   const auto* xs = static_cast<const char*>(x.untyped_data());
   auto* ys = static_cast<char*>(y->untyped_data());
   std::atomic<bool> ok{true};
-  cpu::parallel_for(pool, v.outer, v.reduced * v.inner, 1, [&](int64_t o0, int64_t o1) {
-    if (!reduce_cpu(v.kind, v.dtype, xs + o0 * in_slice, ys + o0 * out_slice, o1 - o0, v.reduced, v.inner))
-      ok.store(false, std::memory_order_relaxed);
-  });
+  if (v.outer < cpu::thread_cap(pool.num_threads())) {
+    for (int64_t o = 0; o < v.outer; ++o)
+      if (!reduce_slice_cpu(v.kind, v.dtype, xs + o * in_slice, ys + o * out_slice, v.reduced, v.inner, cpu::on_pool(pool)))
+        ok.store(false);
+  } else {
+    cpu::parallel_for(pool, v.outer, v.reduced * v.inner, 1, [&](int64_t o0, int64_t o1) {
+      if (!reduce_cpu(v.kind, v.dtype, xs + o0 * in_slice, ys + o0 * out_slice, o1 - o0, v.reduced, v.inner))
+        ok.store(false, std::memory_order_relaxed);
+    });
+  }
   if (!ok.load()) return invalid_argument(op_name(v.kind), "unsupported dtype");
   return ffi::Error::Success();
 }
