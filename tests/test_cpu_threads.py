@@ -127,17 +127,23 @@ def reduction_ref(name, x, axis):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape, axis", [((300007,), -1), ((517, 601), None), ((20011, 37), 0), ((3001, 257), 0)])
+@pytest.mark.parametrize("shape, axis", [((2100003,), -1), ((1031, 2039), None), ((70001, 37), 0), ((9001, 257), 0)])
 def test_reduction_slice_threads(key, dtype, shape, axis):
     """One slice (a long row, the whole array, the columns of a matrix) split between threads in
-    pieces of a power of two blocks / leaves: the serial answer bit for bit. The planted values sit
-    in different pieces: a tie of the max (the first index wins), -inf and +inf columns, and NaNs
-    (the first one wins argmax) in a second copy."""
-    x = normal(key, shape, dtype).reshape(-1, shape[-1])
-    x = x.at[len(x) // 5, 1].set(9).at[len(x) * 4 // 5, 1].set(9)
-    x = x.at[:, 2].set(-jnp.inf).at[len(x) // 3, 3].set(jnp.inf).reshape(shape)
-    flat = x.reshape(-1)
-    nans = flat.at[flat.size // 3].set(jnp.nan).at[flat.size * 2 // 3].set(jnp.nan).reshape(shape)
+    pieces of a power of two blocks / leaves (3 pieces here: at least 1M elements each, 32K for
+    logsumexp): the serial answer bit for bit. The planted values sit in different pieces: a tie
+    of the max (the first index wins), and NaNs (the first one wins argmax) in a second copy; the
+    columns also get -inf and +inf ones."""
+    x = normal(key, shape, dtype)
+    if axis == 0:  # columns: planted along the rows
+        n = shape[0]
+        x = x.at[n // 5, 1].set(9).at[n * 9 // 10, 1].set(9).at[:, 2].set(-jnp.inf).at[n // 3, 3].set(jnp.inf)
+        nans = x.at[n // 3, 5].set(jnp.nan).at[n * 19 // 20, 5].set(jnp.nan).at[n * 19 // 20, 6].set(jnp.nan)
+    else:  # one row of every element
+        flat = x.reshape(-1)
+        size = flat.size
+        x = flat.at[size // 5].set(9).at[size * 9 // 10].set(9).reshape(shape)
+        nans = flat.at[size // 3].set(jnp.nan).at[size * 19 // 20].set(jnp.nan).reshape(shape)
     for name in REDUCTIONS:
         f = jax.jit(lambda x: getattr(jaxops, name)(x, axis=axis))
         for data in (x, nans):

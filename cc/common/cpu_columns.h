@@ -24,7 +24,8 @@ template <int W, int kTile, class Tile>
 inline int64_t column_tiles(int64_t inner, Tile&& tile) {
   int64_t c = 0;
   for (; c + kTile * W <= inner; c += kTile * W) tile(c, std::integral_constant<int, kTile>{});
-  if constexpr (kTile > 1) return c + column_tiles<W, kTile / 2>(inner - c, [&](int64_t at, auto nv) { tile(c + at, nv); });
+  if constexpr (kTile > 1)
+    return c + column_tiles<W, kTile / 2>(inner - c, [&](int64_t at, auto nv) { tile(c + at, nv); });
   return c;
 }
 

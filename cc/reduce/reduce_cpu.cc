@@ -288,10 +288,11 @@ void run_kind(OpKind kind, const T* x, void* y, int64_t outer, int64_t reduced, 
 
 // ---- One slice over many threads ----
 // The slice's units (kSumBlock-element blocks of a row; kLeaf-row leaves of columns) go to pieces
-// of a power of two of them. Each piece runs the serial code on its part of the slice, then the
-// pieces' states are folded in order. A piece folds an aligned power-of-two run of units, which is
-// a subtree of the serial fold's tree, and PairwiseFold merges right to left, so the answer is the
-// serial one bit for bit, whatever the piece size or the thread count.
+// of a power of two of them, at least reduce_grain elements. Each piece runs the serial code on
+// its part of the slice, then the pieces' states are folded in order. A piece folds an aligned
+// power-of-two run of units, which is a subtree of the serial fold's tree, and PairwiseFold merges
+// right to left, so the answer is the serial one bit for bit, whatever the piece size or the
+// thread count.
 constexpr int64_t kMaxPieces = 64;
 
 struct Pieces {
@@ -299,11 +300,11 @@ struct Pieces {
   int64_t count = 1;  // pieces; 1: the serial code
 };
 
-Pieces slice_pieces(int64_t reduced, int64_t inner) {
+Pieces slice_pieces(int64_t reduced, int64_t inner, int64_t grain) {
   const int64_t unit = inner == 1 ? cpu::kSumBlock : kLeaf;
   const int64_t units = (reduced + unit - 1) / unit;
   int64_t per = 1;  // units a piece
-  while (per * unit * inner < cpu::kParallelGrain || (units + per - 1) / per > kMaxPieces) per *= 2;
+  while (per * unit * inner < grain || (units + per - 1) / per > kMaxPieces) per *= 2;
   return {per * unit, (units + per - 1) / per};
 }
 
@@ -412,7 +413,7 @@ bool reduce_cpu(OpKind kind, Dtype dtype, const void* x, void* y, int64_t outer,
 
 bool reduce_slice_cpu(OpKind kind, Dtype dtype, const void* x, void* y, int64_t reduced, int64_t inner,
                       const cpu::ForRanges& ranges) {
-  const Pieces ps = slice_pieces(reduced, inner);
+  const Pieces ps = slice_pieces(reduced, inner, reduce_grain(kind));
   if (ps.count <= 1) return reduce_cpu(kind, dtype, x, y, 1, reduced, inner);
   return cpu::run_isa([&](auto w) {
     return cpu::dispatch_float(dtype, [&](auto tag) {

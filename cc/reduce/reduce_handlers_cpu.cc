@@ -1,4 +1,5 @@
 // CPU FFI handler of every reduction (sum, mean, max, min, logsumexp, argmax, argmin).
+#include <algorithm>
 #include <atomic>
 
 #include "common/cpu_parallel.h"
@@ -24,11 +25,14 @@ ffi::Error ReduceCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi
   auto* ys = static_cast<char*>(y->untyped_data());
   std::atomic<bool> ok{true};
   if (v.outer < cpu::thread_cap(pool.num_threads())) {
+    const cpu::ForRanges ranges = cpu::on_pool(pool);
     for (int64_t o = 0; o < v.outer; ++o)
-      if (!reduce_slice_cpu(v.kind, v.dtype, xs + o * in_slice, ys + o * out_slice, v.reduced, v.inner, cpu::on_pool(pool)))
+      if (!reduce_slice_cpu(v.kind, v.dtype, xs + o * in_slice, ys + o * out_slice, v.reduced, v.inner, ranges))
         ok.store(false);
   } else {
-    cpu::parallel_for(pool, v.outer, v.reduced * v.inner, 1, [&](int64_t o0, int64_t o1) {
+    // (cost in logsumexp-equivalent elements: a chunk holds at least reduce_grain elements)
+    const int64_t cost = v.reduced * v.inner * cpu::kParallelGrain / reduce_grain(v.kind);
+    cpu::parallel_for(pool, v.outer, std::max<int64_t>(cost, 1), 1, [&](int64_t o0, int64_t o1) {
       if (!reduce_cpu(v.kind, v.dtype, xs + o0 * in_slice, ys + o0 * out_slice, o1 - o0, v.reduced, v.inner))
         ok.store(false, std::memory_order_relaxed);
     });
