@@ -31,8 +31,8 @@ inline int64_t column_tiles(int64_t inner, Tile&& tile) {
 
 // acc[c] for c in [0, NV * W) = acc[c] then x[r * inner + c] for r in [0, rows) in order, summed
 // (kSum) or their max (kMax) / min propagating NaN like jnp.max. The extrema keep whether a NaN
-// came apart and put it in at the end, so each row costs its chain a compare and a select only
-// (with the NaN test in the chain, float32 columns ran 2.5x a sum's time; session 60).
+// came apart and put it in at the end, so each row costs its chain one maxps / minps (with the
+// NaN test and a bitwise select in the chain, float32 columns ran 2.5x a sum's time; session 60).
 template <int W, int NV, bool kSum, bool kMax, class T>
 inline void column_tile(const T* x, int64_t rows, int64_t inner, float* acc) {
   using V = Vec<W>;
@@ -45,7 +45,7 @@ inline void column_tile(const T* x, int64_t rows, int64_t inner, float* acc) {
       if constexpr (kSum) {
         a[k] += v;
       } else {
-        a[k] = V::select(kMax ? V::gt(v, a[k]) : V::lt(v, a[k]), v, a[k]);  // a NaN a[k] stays
+        a[k] = V::template keep_better<kMax>(v, a[k]);  // a NaN a[k] stays
         nan[k] |= V::is_nan(v);
       }
     }

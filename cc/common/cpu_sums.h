@@ -113,12 +113,12 @@ inline A lane_extremum(const T* v, int64_t n) {
   A lane[kLanes];
   int64_t i = 0;
   if constexpr (std::is_same_v<A, float>) {
-    // Plain max / min lanes and, apart, whether a NaN was seen: one compare and select a vector,
+    // Plain max / min lanes and, apart, whether a NaN was seen: one maxps / minps a vector,
     // at least four independent chains (W = 8 / 16: 32 / 64 elements a round, folded into the
     // 16 lanes; harness: max of float rows, AVX2 78 -> 69 us).
     constexpr int kAcc = kLanes / W > 4 ? kLanes / W : 4;
     const auto take = [](typename V::F x, typename V::F run) {
-      return V::select(kMax ? V::gt(x, run) : V::lt(x, run), x, run);
+      return V::template keep_better<kMax>(x, run);
     };
     typename V::F acc[kAcc];
     for (auto& a : acc) a = V::splat(id);

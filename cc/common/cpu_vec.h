@@ -71,6 +71,10 @@ struct VecCmp {
   static I le(F a, F b) { return a <= b; }
   static I eq(F a, F b) { return a == b; }
   static I ne(F a, F b) { return a != b; }
+  // x where x > run (x < run), else run: one maxps (minps), whose IEEE rule this is exactly (a NaN
+  // in either keeps run). The bitwise select of the same thing is a compare and two instructions.
+  static F max_or_run(F x, F run) { return x > run ? x : run; }
+  static F min_or_run(F x, F run) { return x < run ? x : run; }
 };
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define JAXOPS_AVX512_TARGET __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")))
@@ -80,6 +84,8 @@ struct VecCmp<16> {  // (not always_inline: inlined only into the AVX-512 clone,
   JAXOPS_AVX512_TARGET static vi16 le(vf16 a, vf16 b) { return a <= b; }
   JAXOPS_AVX512_TARGET static vi16 eq(vf16 a, vf16 b) { return a == b; }
   JAXOPS_AVX512_TARGET static vi16 ne(vf16 a, vf16 b) { return a != b; }
+  JAXOPS_AVX512_TARGET static vf16 max_or_run(vf16 x, vf16 run) { return x > run ? x : run; }
+  JAXOPS_AVX512_TARGET static vf16 min_or_run(vf16 x, vf16 run) { return x < run ? x : run; }
 };
 #endif
 
@@ -116,6 +122,11 @@ struct Vec {
   static I ge(F a, F b) { return VecCmp<W>::le(b, a); }
   static I eq(F a, F b) { return VecCmp<W>::eq(a, b); }
   static I is_nan(F a) { return VecCmp<W>::ne(a, a); }
+  // x where it beats run in a max (kMax) or min, else run (NaN in either: run).
+  template <bool kMax>
+  static F keep_better(F x, F run) {
+    return kMax ? VecCmp<W>::max_or_run(x, run) : VecCmp<W>::min_or_run(x, run);
+  }
   // W / 2 doubles from as many consecutive A values, centred first in A: (p - shift) - mean.
   template <class A>
   static D widen_d(const A* p, A shift, A mean) {
