@@ -59,6 +59,27 @@ template <class Op, class A = typename Op::State>
 constexpr bool kSumOp = std::is_same_v<Op, SumOp<A, true>> || std::is_same_v<Op, SumOp<A, false>>;
 template <class Op>
 constexpr bool kArgOp = std::is_same_v<Op, ArgOp<float, true>> || std::is_same_v<Op, ArgOp<float, false>>;
+// The merges of the folds, named once: a slice's pieces (below) give the serial answer bit for
+// bit only if they merge exactly as the serial folds do. merge(left, right): right = left . right.
+template <class Op>
+struct MergeStates {  // one state (a row's blocks)
+  void operator()(const typename Op::State& left, typename Op::State& right) const { right = Op::merge(left, right); }
+};
+template <class Op>
+struct MergeColumns {  // a state a column
+  int64_t inner;
+  void operator()(const std::vector<typename Op::State>& left, std::vector<typename Op::State>& right) const {
+    for (int64_t c = 0; c < inner; ++c) right[c] = Op::merge(left[c], right[c]);
+  }
+};
+template <class A>
+struct AddColumns {  // the column logsumexp's sums of exp
+  int64_t inner;
+  void operator()(const std::vector<A>& left, std::vector<A>& right) const {
+    for (int64_t c = 0; c < inner; ++c) right[c] = left[c] + right[c];
+  }
+};
+
 // Column reductions of float data run through register tiles (cpu_columns.h).
 template <class Op>
 constexpr bool kFloatColumns = (std::is_same_v<typename Op::State, float> && (kSumOp<Op> || kExtremumOp<Op>)) ||
@@ -72,8 +93,7 @@ typename Op::State row_blocks(const T* x, int64_t n) {
   using A = acc_t<T>;
   A scratch[std::is_same_v<T, A> || !std::is_same_v<Op, LogSumExpOp<A>> ? 1 : cpu::kSumBlock];
   using S = typename Op::State;
-  const auto merge = [](const S& left, S& right) { right = Op::merge(left, right); };
-  PairwiseFold<S, decltype(merge)> fold(merge);
+  PairwiseFold<S, MergeStates<Op>> fold(MergeStates<Op>{});
   for (int64_t b = 0; b < n; b += cpu::kSumBlock) {
     const int64_t m = std::min(cpu::kSumBlock, n - b);
     if constexpr (std::is_same_v<Op, LogSumExpOp<A>>) {
@@ -136,7 +156,7 @@ int32_t find_in_block(const T* x, int64_t n, const BlockExtremum<acc_t<T>>& e) {
 // it first occurs (row_extremum), then the first index in that block holding it: jnp.argmax's
 // answer (the first NaN, else the lowest index among ties, -0 and +0 equal) in one vectorized pass
 // and one block, instead of a compare-and-branch an element (session 52's twin: 3 ns an element)
-// or a second pass (session 53's to session 59's). 16-bit rows are widened for the last block only.
+// or a second pass (session 53's to session 59's). 16-bit rows are widened for that block only.
 template <int W, bool kMax, class T>
 int32_t row_arg(const T* x, int64_t n) {
   return find_in_block<W>(x, n, row_extremum<W, kMax>(x, n, 0));
@@ -167,10 +187,7 @@ void columns_pairwise(const T* x, int64_t lo, int64_t hi, int64_t inner, typenam
 template <int W, class Op, class T>
 void columns_fold(const T* x, int64_t reduced, int64_t inner, typename Op::State* out, int64_t base = 0) {
   using S = std::vector<typename Op::State>;
-  const auto merge = [inner](const S& left, S& right) {
-    for (int64_t c = 0; c < inner; ++c) right[c] = Op::merge(left[c], right[c]);
-  };
-  PairwiseFold<S, decltype(merge)> fold(merge);
+  PairwiseFold<S, MergeColumns<Op>> fold(MergeColumns<Op>{inner});
   std::vector<float> best(kArgOp<Op> ? inner : 0);
   std::vector<int32_t> idx(kArgOp<Op> ? inner : 0);
   for (int64_t r0 = 0; r0 < reduced; r0 += kLeaf) {
@@ -199,10 +216,7 @@ template <int W, class T>
 void columns_exp_fold(const T* x, int64_t reduced, int64_t inner, const acc_t<T>* mx, acc_t<T>* out) {
   using A = acc_t<T>;
   std::vector<A> row(std::is_same_v<A, float> ? 0 : inner);
-  const auto add = [inner](const std::vector<A>& left, std::vector<A>& right) {
-    for (int64_t c = 0; c < inner; ++c) right[c] = left[c] + right[c];
-  };
-  PairwiseFold<std::vector<A>, decltype(add)> fold(add);
+  PairwiseFold<std::vector<A>, AddColumns<A>> fold(AddColumns<A>{inner});
   for (int64_t r0 = 0; r0 < reduced; r0 += kLeaf) {
     std::vector<A> leaf(inner, A(0));
     const int64_t rows = std::min(reduced, r0 + kLeaf) - r0;
@@ -336,10 +350,7 @@ std::vector<typename Op::State> columns_in_pieces(const T* x, int64_t reduced, i
   for_pieces<W>(ranges, ps, reduced, inner, [&](int64_t p, int64_t r0, int64_t rows) {
     columns_fold<W, Op>(x + r0 * inner, rows, inner, states[p].data(), r0);
   });
-  const auto merge = [inner](const S& left, S& right) {
-    for (int64_t c = 0; c < inner; ++c) right[c] = Op::merge(left[c], right[c]);
-  };
-  return fold_pieces(states, merge, S(inner, Op::identity()));
+  return fold_pieces(states, MergeColumns<Op>{inner}, S(inner, Op::identity()));
 }
 
 template <int W, class Op, class T>
@@ -360,8 +371,7 @@ void run_slice(const T* x, void* y, int64_t reduced, int64_t inner, const Pieces
       for_pieces<W>(ranges, ps, reduced, 1, [&](int64_t p, int64_t r0, int64_t n) {
         states[p] = row_blocks<W, Op>(x + r0, n);
       });
-      const auto merge = [](const S& left, S& right) { right = Op::merge(left, right); };
-      store<Op, T>(y, 0, fold_pieces(states, merge, Op::identity()), reduced);
+      store<Op, T>(y, 0, fold_pieces(states, MergeStates<Op>{}, Op::identity()), reduced);
     }
   } else if constexpr (std::is_same_v<Op, LogSumExpOp<A>> && std::is_same_v<A, float>) {
     const std::vector<A> mx = columns_in_pieces<W, ExtremumOp<A, true>>(x, reduced, inner, ps, ranges);
@@ -369,10 +379,7 @@ void run_slice(const T* x, void* y, int64_t reduced, int64_t inner, const Pieces
     for_pieces<W>(ranges, ps, reduced, inner, [&](int64_t p, int64_t r0, int64_t rows) {
       columns_exp_fold<W>(x + r0 * inner, rows, inner, mx.data(), sums[p].data());
     });
-    const auto add = [inner](const std::vector<A>& left, std::vector<A>& right) {
-      for (int64_t c = 0; c < inner; ++c) right[c] = left[c] + right[c];
-    };
-    const std::vector<A> sum = fold_pieces(sums, add, std::vector<A>(inner, A(0)));
+    const std::vector<A> sum = fold_pieces(sums, AddColumns<A>{inner}, std::vector<A>(inner, A(0)));
     std::vector<A> lse(inner);
     finish_logsumexp(mx.data(), sum.data(), inner, lse.data());
     for (int64_t c = 0; c < inner; ++c) static_cast<T*>(y)[c] = from_float<T>(lse[c]);
