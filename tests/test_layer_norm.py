@@ -508,6 +508,7 @@ def test_row_ring_matches_register_prefetch_gpu(key, monkeypatch, dtype, rows, c
     scale, bias = params(k2, cols, dtype)
     g = normal(k3, (rows, cols), dtype)
     f = jax.jit(lambda x, s, b, g: jax.vjp(jaxops.layer_norm, x, s, b)[1](g))
+    monkeypatch.setenv("JAXOPS_FAST_DRAM", "1")  # the ring's plan on any chip (session 61)
     ring = f(x, scale, bias, g)
     monkeypatch.setenv("JAXOPS_LN_NO_RING", "1")
     prefetch = f(x, scale, bias, g)
@@ -539,6 +540,7 @@ def test_held_params_forward_matches_lean_gpu(key, monkeypatch, dtype, rows, col
         return (y,) + vjp(g)
 
     f = jax.jit(fwd_bwd)
+    monkeypatch.setenv("JAXOPS_FAST_DRAM", "1")  # the held kernel's plan on any chip (session 61)
     held = f(x, scale, bias, g)
     monkeypatch.setenv("JAXOPS_LN_NO_HELD", "1")
     lean = f(x, scale, bias, g)
@@ -547,6 +549,22 @@ def test_held_params_forward_matches_lean_gpu(key, monkeypatch, dtype, rows, col
                                       np.asarray(v.astype(jnp.float32)).view(np.uint32))
     monkeypatch.delenv("JAXOPS_LN_NO_HELD")
     _check_forward(key, dtype, rows, cols, 1.5)
+
+
+@gpu_only
+@pytest.mark.parametrize("fast_dram", ["0", "1"])
+@pytest.mark.parametrize("dtype,cols", [(jnp.float32, 2048), (jnp.float32, 4096), (jnp.float32, 8192),
+                                        (jnp.bfloat16, 2048), (jnp.bfloat16, 4096), (jnp.float16, 6152),
+                                        (jnp.bfloat16, 8192)])
+def test_dram_plans_gpu(key, monkeypatch, fast_dram, dtype, cols):
+    # Session 61: where DRAM does not outrun the SMs (the H100; cuda::dram_outruns_sms) the
+    # forward keeps float32 2048 on the block kernel and float32 4-32 KB / 16-bit 8-16 KB rows
+    # off the cp.async kernels, and the backward takes the 16-bit prefetch kernel in clusters of
+    # 4 at <= 4096 columns, the register prefetch (no ring) past 6144 and no cp.async for float32
+    # past 2048; where it does (the H200), session 37-46's plans. JAXOPS_FAST_DRAM forces each, so
+    # either chip runs both: forward, gradients and per-example parameters against the references.
+    monkeypatch.setenv("JAXOPS_FAST_DRAM", fast_dram)
+    _check_lean_forward(key, dtype, rows=1500, cols=cols, grad_rows=700, vmap_rows=10)
 
 
 @gpu_only

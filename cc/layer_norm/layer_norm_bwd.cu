@@ -419,6 +419,15 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
         // 65536x3072 337.7 -> 316.2, 65536x1032 142.6 -> 129.1, 65536x2056 265.1 -> 243.6;
         // rms_norm_bwd 65536x1032 125.0 -> 112.0, 65536x1544 173.9 -> 164.0, 65536x2056 237.4 ->
         // 216.5, but 65536x2048 203.9 -> 216.2 and 32768x4096 208.0 -> 218.3 (full rows).
+        // Where DRAM does not outrun the SMs (cuda::dram_outruns_sms), layer_norm keeps session 8's
+        // plan, the prefetch kernel in clusters of 4: H100, session 61, us, pair in 2 / prefetch in
+        // 2 / prefetch in 4: bf16 layer_norm_bwd 32768x2048 158.8 / 155.5 / 147.4, 16384x4096 158.7
+        // / 152.6 / 148.8 (prefetch in 4 measured with session 34's tree, which ran this plan).
+        // From 2048 columns, as measured: narrower rows keep the pair (H200: 1032 columns -10 %).
+        const bool fast_dram = cuda::dram_outruns_sms(info);
+        if (npacks >= 256 && npacks <= 256 * kRowPacks && !a.shape.rms && !fast_dram)
+          return launch_slotted<T>(backward_rows_lean<T, kPack, kRowPacks, true>, a, info, threads, smem, stream,
+                                    4);
         if (npacks <= 256 * kRowPacks && (!a.shape.rms || npacks != int64_t{threads} * kRowPacks))
           return launch_slotted<T>(backward_rows_lean_pair<T, kPack, kRowPacks>, a, info, threads, smem, stream, 2);
         if (npacks <= 256 * kRowPacks)
@@ -434,12 +443,14 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
         // since session 45 two rows an iteration (backward_rows_lean_1024_ring): 116.6 -> 114.2,
         // 185.3 -> 174.6.
         // rms_norm through this kernel with the ring: 8192x8192 108.8 -> 112.1-113.4 us (3-4 rows).
+        // The ring only where DRAM outruns the SMs: H100, session 61, bf16 8192x8192, us, ring /
+        // register prefetch / session 5's kernel: 163.3 / 149.6 / 151.1.
         if (!a.shape.rms && npacks > 768) {
           const int row_threads = register_row_threads(npacks, 1);
           constexpr int kRing = 4;
           const size_t ring = smem + kRing * 2 * sizeof(T) * static_cast<size_t>(a.shape.cols);
           constexpr size_t kStatic = 32 * sizeof(float4);  // the ring kernel's scratch
-          if (!ring_disabled() && ring <= dynamic_smem_limit(info, kStatic))
+          if (fast_dram && !ring_disabled() && ring <= dynamic_smem_limit(info, kStatic))
             return launch_slotted<T>(backward_rows_lean_1024_ring<T, kPack, kRing>, a, info, row_threads, ring, stream, 2);
           return launch_slotted<T>(backward_rows_lean_1024<T, kPack>, a, info, row_threads, smem, stream, 2);
         }
@@ -450,8 +461,10 @@ cudaError_t backward_packed(const BackwardArgs& a, const cuda::DeviceInfo& info,
         // column sums (session 41, H200, us, default / async): layer_norm_bwd 8192x8192 236.5 /
         // 211.7, 16384x4096 221.9 / 215.3, 32768x2048 221.7 / 223.5; rms_norm_bwd 224.8 / 208.2,
         // 215.1 / 212.9, 214.1 / 217.4. At 2048 columns 2 blocks an SM already overlap rows. The
-        // 16-bit kernels lost with it (bf16 layer_norm_bwd 8192x8192 128.7 -> 142.9 us).
-        if (npacks > 512)
+        // 16-bit kernels lost with it (bf16 layer_norm_bwd 8192x8192 128.7 -> 142.9 us). Only where
+        // DRAM outruns the SMs: H100, session 61, us, default / async: layer_norm_bwd 8192x8192
+        // 285.7 / 298.7, 16384x4096 292.6 / 297.2; rms_norm_bwd 282.0 / 291.1, 291.4 / 293.2.
+        if (npacks > 512 && cuda::dram_outruns_sms(info))
           return launch_slotted<T>(backward_rows<T, kPack, kRowPacks, false, true>, a, info, threads,
                                     smem + 2 * sizeof(T) * static_cast<size_t>(a.shape.cols), stream, 2);
         return launch_slotted<T>(backward_rows<T, kPack, kRowPacks>, a, info, threads, smem, stream, 2);

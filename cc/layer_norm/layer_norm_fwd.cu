@@ -237,20 +237,22 @@ bool forward_split(const ForwardArgs& a, const cuda::DeviceInfo& info, cudaStrea
 // 50.1 / 48.6, 1280 60.7 / 57.7. So: 16-bit layer_norm up to 2048 columns, 16-bit rms_norm up
 // to 1536, float32 rms_norm never. float32 layer_norm up to 2048 since session 37 (H100 took it
 // to 1536 only): H200, team / block, us, 16384 and 65536 rows: 1792 63.0 / 65.6, 235.5 / 250.7;
-// 2048 71.7 / 72.5, 267.3 / 278.3 (float32 rms_norm 2048: 70.6 / 66.2, 261.7 / 257.8).
+// 2048 71.7 / 72.5, 267.3 / 278.3 (float32 rms_norm 2048: 70.6 / 66.2, 261.7 / 257.8). Where DRAM
+// does not outrun the SMs (cuda::dram_outruns_sms) float32 stays at 1536: H100, session 61, us,
+// 32768x2048 team / block 184.1 / 179.8.
 // JAXOPS_LN_FWD_WIDE (a test hook, read at every launch): 1 takes the team wherever it fits, 0
 // never.
 template <class T>
 constexpr int kWidestPacks = 64 * static_cast<int>(sizeof(T)) / 16;
 
 template <class T>
-bool widest_team(int64_t npacks, bool rms) {
+bool widest_team(int64_t npacks, bool rms, const cuda::DeviceInfo& info) {
   if (npacks > 32 * kWidestPacks<T>) return false;
   if (const char* e = std::getenv("JAXOPS_LN_FWD_WIDE"); e != nullptr && (e[0] == '0' || e[0] == '1'))
     return e[0] == '1';
   const int64_t cols = npacks * 16 / static_cast<int64_t>(sizeof(T));
   if (sizeof(T) == 2) return !rms || cols <= 1536;
-  return !rms;
+  return !rms && (cols <= 1536 || cuda::dram_outruns_sms(info));
 }
 
 // JAXOPS_LN_NO_HELD=1 (a test hook, read at every launch): 16-bit layer_norm rows of 8-16 KB take
@@ -313,7 +315,7 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
   if (npacks <= 32) return launch_narrow<T, kPack>(a, info, stream, team_width(npacks));
   if (npacks <= kMaxTeamPacks) return launch_wide<T, kPack>(a, info, stream, team_packs(npacks));
   if constexpr (kLeanType<T, kPack>) {
-    if (lean_forward<T, kPack>(a) && widest_team<T>(npacks, a.shape.rms))
+    if (lean_forward<T, kPack>(a) && widest_team<T>(npacks, a.shape.rms, info))
       return launch_team<T, kPack, kWidestPacks<T>, 32, 1, true>(a, info, stream);
   }
 
@@ -365,11 +367,14 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
       // 8192x8192 147.5 / 141.2 (0.859 -> 0.898 of copy), bf16 4096x16384 81.7 / 74.3. Session 46,
       // float32 rows of 8-16 KB: 32768x3072 215.7 / 206.7, 16384x3584 128.2 / 125.0, 16384x3968
       // 141.8 / 139.4, 32768x2560 179.8 / 178.3, 16384x4096 143.4 / 143.3 (143.5 / 141.7, +1 %, in
-      // another run). 16-bit rows of 16 KB lost (bf16 8192x8192 73.1 / 75.0).
+      // another run). 16-bit rows of 16 KB lost (bf16 8192x8192 73.1 / 75.0). Float32 rows take it
+      // only where DRAM outruns the SMs: H100, session 61, us, lean / async: 16384x4096 183.9 /
+      // 193.3 (XLA 184.3), 8192x8192 186.5 / 194.1 (XLA 191.6).
       const bool two_rows_fit =  // what both persistent kernels below need: two rows a block
           lean_forward<T, kPack>(a) && !a.shape.rms && 2 * smem <= dynamic_smem_limit(info, 64 * sizeof(A));
+      const bool fast_dram = cuda::dram_outruns_sms(info);
       const size_t async_floor = sizeof(T) == 4 ? kShareBytes / 4 : kShareBytes / 2;
-      if (two_rows_fit && smem > async_floor && threads <= kAsyncForwardThreads) {
+      if (two_rows_fit && smem > async_floor && threads <= kAsyncForwardThreads && (sizeof(T) == 2 || fast_dram)) {
         kernel = forward_block_async<T, kPack>;
         launch_smem = 2 * smem;
         persistent = true;
@@ -378,9 +383,10 @@ cudaError_t forward_packed(const ForwardArgs& a, const cuda::DeviceInfo& info, c
       // (layer_norm_async_fwd.cuh). Session 46, H200, us, lean / held: bf16 16384x6144 109.4 /
       // 105.1, 8192x8192 73.8 / 72.3, 16384x5120 89.6 / 88.9, 16384x4104 77.8 / 76.9. Not below
       // 8 KB: 16384x4096 71.8 / 76.5 (though 32768x3072 110.7 / 106.9, 32768x2560 97.4 / 93.6).
+      // Only where DRAM outruns the SMs: H100, session 61, bf16 8192x8192 lean / held 93.0 / 102.1.
       if constexpr (sizeof(T) == 2) {
         if (two_rows_fit && smem > kShareBytes / 4 && smem <= kShareBytes / 2 && threads <= kHeldForwardThreads &&
-            !held_disabled()) {
+            fast_dram && !held_disabled()) {
           kernel = forward_block_async_held<T, kPack>;
           launch_smem = 2 * smem;
           persistent = true;
