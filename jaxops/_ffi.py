@@ -94,6 +94,21 @@ def build_info() -> dict[str, Any]:
     return info
 
 
+def device_plan() -> dict[str, Any] | None:
+    """Which chip-dependent kernel plans the current CUDA device takes.
+
+    Returns:
+      None without the CUDA handlers or a device; else a dict with ``dram_bytes_per_sm_cycle``
+      (peak DRAM bytes a cycle of one SM: H100 ~12.8, H200 ~18.8) and ``fast_dram`` (True where
+      the kernels take the plans chosen for DRAM that outruns the SMs; ``JAXOPS_FAST_DRAM=0/1``
+      forces it).
+    """
+    if _jaxops_cuda is None:
+        return None
+    plan = _jaxops_cuda.device_plan()
+    return None if plan is None else dict(plan)
+
+
 def _check_backend(fn_name: str) -> None:
     if _jaxops_cuda is None and jax.default_backend() == "gpu":
         raise RuntimeError(f"jaxops.{fn_name}: {_REBUILD_HINT}")

@@ -1,4 +1,4 @@
-#include "common/cuda_util.cuh"
+#include "common/device_info.h"
 
 #include <cstdlib>
 

@@ -3,6 +3,9 @@
 #include <nanobind/stl/string.h>
 
 #include "common/registry.h"
+#ifdef JAXOPS_PLATFORM_CUDA
+#include "common/device_info.h"
+#endif
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -47,4 +50,20 @@ JAXOPS_NB_MODULE(JAXOPS_MODULE_NAME, m) {
     info["targets"] = jaxops::registry().size();
     return info;
   });
+#ifdef JAXOPS_PLATFORM_CUDA
+  // The current device's DRAM rate and whether the kernels take its fast-DRAM plans
+  // (cuda::dram_outruns_sms); None where no device answers (no GPU, no driver).
+  m.def("device_plan", []() -> nb::object {
+    jaxops::cuda::DeviceInfo info;
+    if (jaxops::cuda::device_info(&info) != cudaSuccess) {
+      cudaGetLastError();  // the failed query leaves no sticky error behind
+      return nb::none();
+    }
+    nb::dict plan;
+    plan["device"] = info.device;
+    plan["dram_bytes_per_sm_cycle"] = info.dram_bytes_per_sm_cycle;
+    plan["fast_dram"] = jaxops::cuda::dram_outruns_sms(info);
+    return plan;
+  });
+#endif
 }

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from jaxops._ffi import device_plan
 from jaxops.bench.case import Case, Options
 from jaxops.bench.timing import allocator_warning, clock_name, copy_bandwidth, time_fn
 
@@ -142,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     largest = max(c.bytes for c in cases)
     copy_bw = copy_bandwidth(min(max(largest // 2, 1 << 20), 1 << 30), copies, repeats, inner)
     device = str(jax.devices()[0].device_kind)
+    plans = device_plan() if gpu else None
+    label = device if plans is None else (
+        f"{device} ({plans['dram_bytes_per_sm_cycle']:.1f} DRAM B/SM-cycle: "
+        f"{'fast' if plans['fast_dram'] else 'H100'}-DRAM plans)")
 
     rows = []
     stream = not sys.stdout.isatty()  # logs keep every finished row even if the run is cut short
@@ -149,15 +154,16 @@ def main(argv: list[str] | None = None) -> int:
         _progress(i, len(cases), f"{case.op} {case.shape} {case.dtype}")
         rows.append(run_case(case, copies, repeats, copy_bw, inner))
         if stream:
-            print(format_table(rows[-1:], copy_bw, device).splitlines()[-1], flush=True)
+            print(format_table(rows[-1:], copy_bw, label).splitlines()[-1], flush=True)
         if args.json:  # rewritten after every case for the same reason
             with open(args.json, "w") as f:
-                json.dump({"device": device, "clock": clock_name(), "copy_bandwidth": copy_bw, "date": time.strftime("%Y-%m-%d"),
+                json.dump({"device": device, "plans": plans, "clock": clock_name(), "copy_bandwidth": copy_bw,
+                           "date": time.strftime("%Y-%m-%d"),
                            "jax": jax.__version__, "command": " ".join(sys.argv), "warning": warning, "rows": rows},
                           f, indent=1)
     _progress(len(cases), len(cases), "done")
 
-    print(format_table(rows, copy_bw, device))
+    print(format_table(rows, copy_bw, label))
     if args.plot:
         plot(rows, copy_bw, args.plot)
     return 0
