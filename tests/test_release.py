@@ -178,6 +178,7 @@ def test_device_plan(monkeypatch):
     # Which chip-dependent plans the CUDA kernels take (session 61): None without the CUDA
     # handlers or without a GPU (CI builds them on a machine with nvcc and no GPU); on a GPU the
     # DRAM rate a cycle of an SM and the plan, which JAXOPS_FAST_DRAM forces either way.
+    monkeypatch.delenv("JAXOPS_FAST_DRAM", raising=False)
     plan = _ffi.device_plan()
     if not jaxops.has_cuda() or jax.default_backend() != "gpu":
         assert plan is None
