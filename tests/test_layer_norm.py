@@ -559,10 +559,11 @@ def test_held_params_forward_matches_lean_gpu(key, monkeypatch, dtype, rows, col
 def test_dram_plans_gpu(key, monkeypatch, fast_dram, dtype, cols):
     # Session 61: where DRAM does not outrun the SMs (the H100; cuda::dram_outruns_sms) the
     # forward keeps float32 2048 on the block kernel and float32 4-32 KB / 16-bit 8-16 KB rows
-    # off the cp.async kernels, and the backward takes the 16-bit prefetch kernel in clusters of
-    # 4 at <= 4096 columns, the register prefetch (no ring) past 6144 and no cp.async for float32
-    # past 2048; where it does (the H200), session 37-46's plans. JAXOPS_FAST_DRAM forces each, so
-    # either chip runs both: forward, gradients and per-example parameters against the references.
+    # off the cp.async kernels, and the layer_norm backward takes the 16-bit prefetch kernel in
+    # clusters of 4 at 2048-4096 columns, the register prefetch (no ring) past 6144 and no
+    # cp.async for float32 past 2048; where it does (the H200), session 37-46's plans.
+    # JAXOPS_FAST_DRAM forces each, so either chip runs both: forward, gradients and per-example
+    # parameters against the references.
     monkeypatch.setenv("JAXOPS_FAST_DRAM", fast_dram)
     _check_lean_forward(key, dtype, rows=1500, cols=cols, grad_rows=700, vmap_rows=10)
 

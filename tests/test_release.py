@@ -132,6 +132,22 @@ def test_build_info():
         assert info["cuda_architectures"] is None and info["cuda_version"] is None
 
 
+def test_device_plan(monkeypatch):
+    # Which chip-dependent plans the CUDA kernels take (session 61): None without the CUDA
+    # handlers or without a GPU (CI builds them on a machine with nvcc and no GPU); on a GPU the
+    # DRAM rate a cycle of an SM and the plan, which JAXOPS_FAST_DRAM forces either way.
+    monkeypatch.delenv("JAXOPS_FAST_DRAM", raising=False)
+    plan = _ffi.device_plan()
+    if not jaxops.has_cuda() or jax.default_backend() != "gpu":
+        assert plan is None
+        return
+    assert 5.0 < plan["dram_bytes_per_sm_cycle"] < 100.0  # H100 ~12.8, H200 ~18.8
+    assert plan["fast_dram"] == (plan["dram_bytes_per_sm_cycle"] > 15.5)
+    for forced, want in (("0", False), ("1", True)):
+        monkeypatch.setenv("JAXOPS_FAST_DRAM", forced)
+        assert _ffi.device_plan()["fast_dram"] is want
+
+
 # ------------------------------------------------------------------ handler metadata (what XLA sees)
 # XLA asks each handler for its metadata (FFI API version and traits) by calling it with a call
 # frame that carries the metadata extension; api=NULL, no arguments. We do the same through
@@ -172,22 +188,6 @@ class _CallFrame(ctypes.Structure):
                 ("api", ctypes.c_void_p), ("ctx", ctypes.c_void_p), ("stage", ctypes.c_int),
                 ("args", _Args), ("rets", _Args), ("attrs", _Attrs), ("future", ctypes.c_void_p)]
 
-
-
-def test_device_plan(monkeypatch):
-    # Which chip-dependent plans the CUDA kernels take (session 61): None without the CUDA
-    # handlers or without a GPU (CI builds them on a machine with nvcc and no GPU); on a GPU the
-    # DRAM rate a cycle of an SM and the plan, which JAXOPS_FAST_DRAM forces either way.
-    monkeypatch.delenv("JAXOPS_FAST_DRAM", raising=False)
-    plan = _ffi.device_plan()
-    if not jaxops.has_cuda() or jax.default_backend() != "gpu":
-        assert plan is None
-        return
-    assert 5.0 < plan["dram_bytes_per_sm_cycle"] < 100.0  # H100 ~12.8, H200 ~18.8
-    assert plan["fast_dram"] == (plan["dram_bytes_per_sm_cycle"] > 15.5)
-    for forced, want in (("0", False), ("1", True)):
-        monkeypatch.setenv("JAXOPS_FAST_DRAM", forced)
-        assert _ffi.device_plan()["fast_dram"] is want
 
 def _struct_size(cls):
     """XLA_FFI_DEFINE_STRUCT_TRAITS(cls, last): offset of `last` plus its size (no tail padding).

@@ -38,7 +38,7 @@ cudaError_t device_info(DeviceInfo* out) {
 bool dram_outruns_sms(const DeviceInfo& info) {
   if (const char* e = std::getenv("JAXOPS_FAST_DRAM"); e != nullptr && (e[0] == '0' || e[0] == '1'))
     return e[0] == '1';
-  return info.dram_bytes_per_sm_cycle > 15.5;
+  return info.dram_bytes_per_sm_cycle > kFastDramBytesPerSmCycle;
 }
 
 }  // namespace jaxops::cuda

@@ -20,8 +20,9 @@ cudaError_t device_info(DeviceInfo* out);
 // Whether DRAM outruns the SMs as on the H200: there the kernels that keep more bytes in flight
 // (a cp.async ring or a second row buffer, more shared memory and instructions a row) win, on the
 // H100 they lose (session 61, same-run A/B of the layer_norm plans chosen on H200s in sessions
-// 37-46). The threshold sits between the two chips. JAXOPS_FAST_DRAM=0/1 (a test hook, read at
-// every call) forces either answer, so either machine runs both plans.
+// 37-46). The threshold, kFastDramBytesPerSmCycle, sits between the two chips. JAXOPS_FAST_DRAM=0/1
+// (a test hook, read at every call) forces either answer, so either machine runs both plans.
+constexpr double kFastDramBytesPerSmCycle = 15.5;
 bool dram_outruns_sms(const DeviceInfo& info);
 
 }  // namespace jaxops::cuda
