@@ -463,6 +463,26 @@ def test_gpu_packed_arg_ring(shape, axis, dtype, key):
                                           err_msg=op)
 
 
+@gpu_only
+@pytest.mark.parametrize("fast_dram", ["0", "1"])
+@pytest.mark.parametrize("shape", [(3001, 1024), (1001, 4096), (513, 8192), (257, 16384), (40, 2056), (600, 1000),
+                                   (450, 12288)])
+def test_gpu_arg16_plans_by_dram_speed(monkeypatch, fast_dram, shape, key):
+    """16-bit argmax / argmin rows take 32 packs a thread where DRAM outruns the SMs (H200) and
+    the unroll (8) elsewhere (H100; cc/reduce/reduce_plan.cuh, row_packs_per_thread).
+    JAXOPS_FAST_DRAM (read at every launch) forces each plan, so either chip runs both: warp rows
+    of 1000-2056 elements (fewer lanes of 32 packs or more of 8), block rows of 4096-16384 (64 or
+    256 threads), 450 rows of 12288 (the capped blocks of 128 between one and two waves). NaN,
+    +-inf, signed zeros and ties against numpy, both dtypes."""
+    monkeypatch.setenv("JAXOPS_FAST_DRAM", fast_dram)
+    x64 = _specials_for_half(_rng(key), shape, 1)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        x = jnp.asarray(x64.astype(np.float32).astype(dtype))
+        for op in ARG_OPS:
+            np.testing.assert_array_equal(np.asarray(getattr(jaxops, op)(x, 1)), _np_ref(op, _f64(x), 1),
+                                          err_msg=f"{op} {jnp.dtype(dtype).name}")
+
+
 def test_bfloat16_accuracy_against_float64(key):
     """float32 accumulation: a bf16 sum of 65537 values is as good as rounding the exact sum."""
     x = normal(key, (4, 65537), jnp.bfloat16) + jnp.bfloat16(1.0)

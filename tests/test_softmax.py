@@ -392,6 +392,40 @@ def test_lean_backward_over_rows(dtype, rows, cols, key):
     assert ON_GPU
 
 
+@gpu_only
+@pytest.mark.parametrize("fast_dram", ["0", "1"])
+@pytest.mark.parametrize("dtype,rows,cols,masked", [
+    (jnp.float32, 700, 16384, False), (jnp.float32, 900, 12292, True), (jnp.float32, 1200, 8192, False),
+    (jnp.bfloat16, 700, 32768, False), (jnp.bfloat16, 1500, 16384, True), (jnp.float16, 800, 24580, False)])
+def test_one_block_rows_by_dram_speed(monkeypatch, fast_dram, dtype, rows, cols, masked, key):
+    """Rows whose cached bytes are 32-64 KB take one 64 KB block a row where DRAM does not outrun
+    the SMs (H100; cc/softmax/softmax_plan.cuh, cached_bytes_per_block): the forward one block a
+    row, the backward the register-staged kernel; elsewhere a cluster of two 32 KB blocks on the
+    persistent grid. JAXOPS_FAST_DRAM forces each plan (the plan memo keys on it), so either chip
+    runs both: float32 16384 / bf16 32768 forwards (64 KB), float32 12292 masked (49 KB with the
+    mask), float32 8192 and bf16 16384 backwards (y and dy: 64 KB), an f16 window row (24580).
+    Forward against jax.nn, backward against the formula on the kernel's own y; row 0 of the
+    cotangent carries a NaN."""
+    monkeypatch.setenv("JAXOPS_FAST_DRAM", fast_dram)
+    kx, kw, km = jax.random.split(key, 3)
+    x = normal(kx, (rows, cols), dtype, scale=3.0)
+    where = jax.random.bernoulli(km, 0.8, (rows, cols)) if masked else None
+    w = np.array(normal(kw, (rows, cols), jnp.float32))
+    w[0, 5] = np.nan
+    w = jnp.asarray(w, dtype)
+    for name in OPS:
+        assert_close(OPS[name][0](x, where=where), reference(name, x, where=where), dtype)
+        if masked:
+            continue
+        y, vjp = jax.vjp(OPS[name][0], x)
+        want = backward_from_y(name, y, w)
+        scale = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(want), want, 0))))
+        got = vjp(w)[0]
+        assert_close(got, want, dtype, atol=tol(dtype)["atol"] * scale)
+        assert bool(jnp.all(jnp.isnan(got[0])))
+    assert ON_GPU
+
+
 def _special_neighbours(x):
     """At any width that is not whole packs, a row's first and last 16-byte packs hold its
     neighbours' elements: row 4 sits between a NaN (row 3's last element) and +inf (row 5's

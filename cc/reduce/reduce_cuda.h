@@ -22,6 +22,9 @@ struct Plan {
   int64_t reduced;
   int64_t inner;
   int64_t splits;
+  // cuda::dram_outruns_sms for the launching device: picks between plans whose results are the same
+  // bits (16-bit argmax / argmin rows, row_packs_per_thread).
+  bool fast_dram;
 };
 
 cudaError_t launch_sum(const Plan& p, cudaStream_t stream);        // kSum, kMean

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include "common/cuda_status.h"
+#include "common/device_info.h"
 #include "common/registry.h"
 #include "reduce/reduce_args.h"
 #include "reduce/reduce_cuda.h"
@@ -16,8 +17,10 @@ ffi::Error ReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
   if (auto err = check_reduce(x, *y, *ws, op, splits, &v); err.failure()) return err;
   if (v.outer * v.inner == 0) return ffi::Error::Success();
   if (v.reduced == 0) v.splits = 1;  // nothing to split: identities only
+  cuda::DeviceInfo info;
+  if (cudaError_t err = cuda::device_info(&info); err != cudaSuccess) return cuda_status(err, op_name(v.kind));
   const Plan plan{v.kind,  v.dtype,   x.untyped_data(), y->untyped_data(), ws->untyped_data(),
-                  v.outer, v.reduced, v.inner,          v.splits};
+                  v.outer, v.reduced, v.inner,          v.splits,          cuda::dram_outruns_sms(info)};
   cudaError_t status;
   switch (v.kind) {
     case OpKind::kSum:

@@ -50,9 +50,9 @@ cudaError_t merge_partials(const typename Op::State* ws, void* y, const Plan& p,
 template <class Op, class T, int P, bool V, bool kPeel>
 cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan& p, cudaStream_t stream) {
   const int64_t n = p.reduced;
-  if (p.splits == 1 && warp_rows<Op, T, P>(n)) {
+  if (p.splits == 1 && warp_rows<Op, T, P>(n, p.fast_dram)) {
     constexpr int kWarps = 8;
-    const int group = warp_row_group<Op, T, P>((n + P - 1) / P);
+    const int group = warp_row_group<Op, T, P>((n + P - 1) / P, p.fast_dram);
     const int64_t rows_per_block = kWarps * (32 / group);
     return cuda::launch_kernel(row_warp_kernel<Op, T, P, V, kPeel>,
                                grid_for((p.outer + rows_per_block - 1) / rows_per_block), kWarps * 32, 0, stream, x, y,
@@ -61,7 +61,7 @@ cudaError_t launch_rows(const T* x, void* y, typename Op::State* ws, const Plan&
   // Chunks are whole packs; chunk >= n / splits so `splits` chunks cover the row.
   int64_t chunk = (n + p.splits - 1) / p.splits;
   chunk = (chunk + P - 1) / P * P;
-  const int threads = row_launch_threads<Op, T, P>(p.outer, p.splits, chunk);
+  const int threads = row_launch_threads<Op, T, P>(p.outer, p.splits, chunk, p.fast_dram);
   const bool split = p.splits > 1;
   constexpr bool kRing = uses_ring<Op, T, P, V>();
   const bool ring = kRing && threads == kBlockThreads && ring_rows(chunk, threads, P);

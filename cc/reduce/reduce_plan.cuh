@@ -115,11 +115,16 @@ constexpr int max_row_block_threads() {
 // 65536x1024 40.2 / 39.8 / 37.7, 16384x4096 40.2 / 39.5 / 36.7, 8192x8192 39.5 / 35.9 / 36.1,
 // 4096x16384 39.9 / 35.3 / 34.5, 64x2^20 43.3 / 38.6 / 36.7, 16384x4095 41.9 / 40.5 / 37.1;
 // 1024x65536 and the full reduction equal (34.3, 36.3). Rows under 1024 elements keep 8 a lane
-// (lane_packs_for).
+// (lane_packs_for). That holds where DRAM outruns the SMs (cuda::dram_outruns_sms, Plan::fast_dram);
+// on the H100 the unroll a thread (session 34's plan: more threads a row) is faster. H100, session
+// 62 run 4, same-run, main / session 34's tree twice, bf16 argmax µs: 65536x1024 47.5 / 45.8,
+// 16384x4096 46.8 / 45.2, 8192x8192 46.8 / 45.2, 4096x16384 45.5 / 45.1; 1024x65536, 64x2^20 and
+// the full reduction equal (46.0, 47.7, 48.1). argmax's result is the first index of the extremum
+// whatever the plan, so this plan may follow the chip; logsumexp's (summation order) may not.
 template <class Op, class T, int P>
-constexpr int row_packs_per_thread() {
+constexpr int row_packs_per_thread(bool fast_dram) {
   if constexpr (lse16_path<Op, T, P>()) return 16;
-  if constexpr (arg16_types<Op, T, P>()) return 32;
+  if constexpr (arg16_types<Op, T, P>()) return fast_dram ? 32 : unroll_for<Op, T, P>();
   return sizeof(T) == 4 && !Op::kIndex && sizeof(typename Op::State) == 8 ? 32 : unroll_for<Op, T, P>();
 }
 
@@ -131,9 +136,9 @@ constexpr int row_packs_per_thread() {
 // packs a lane on 4096-long rows reads at 0.972). Session 18, H100: 65536x1024 99.4 -> 92.0 us,
 // 131072x512 123.5 -> 94.1, 262144x256 118.9 -> 100.6, 524288x128 114.2 -> 99.7.
 template <class Op, class T, int P>
-constexpr int warp_lane_packs() {
-  return row_packs_per_thread<Op, T, P>() > unroll_for<Op, T, P>() ? row_packs_per_thread<Op, T, P>()
-                                                                     : warp_unroll<Op, T, P>();
+constexpr int warp_lane_packs(bool fast_dram) {
+  const int per_thread = row_packs_per_thread<Op, T, P>(fast_dram);
+  return per_thread > unroll_for<Op, T, P>() ? per_thread : warp_unroll<Op, T, P>();
 }
 
 // Lanes of row_warp_kernel a row of `packs` packs gets (a power of two in [kMinRowLanes, 32]). Up
@@ -156,15 +161,15 @@ constexpr bool warp_rows_one_round() {
 // session 36 run 1, bf16 argmax 131072x512), while 1024-element rows gained (4 lanes of 32).
 constexpr int64_t kArg16LongWarpRow = 128;
 template <class Op, class T, int P>
-constexpr int64_t lane_packs_for(int64_t packs) {
+constexpr int64_t lane_packs_for(int64_t packs, bool fast_dram) {
   if constexpr (arg16_types<Op, T, P>()) {
     if (packs < kArg16LongWarpRow) return unroll_for<Op, T, P>();
   }
-  return warp_lane_packs<Op, T, P>();
+  return warp_lane_packs<Op, T, P>(fast_dram);
 }
 template <class Op, class T, int P>
-int warp_row_group(int64_t packs) {
-  const int64_t per_lane = lane_packs_for<Op, T, P>(packs);
+int warp_row_group(int64_t packs, bool fast_dram) {
+  const int64_t per_lane = lane_packs_for<Op, T, P>(packs, fast_dram);
   int group = 32;
   if constexpr (warp_rows_one_round<Op, T, P>()) {
     while (group > kMinRowLanes && group / 2 * per_lane >= packs) group /= 2;
@@ -176,8 +181,8 @@ int warp_row_group(int64_t packs) {
 
 // Whether unsplit rows of n elements go to row_warp_kernel: those one warp reads in one round.
 template <class Op, class T, int P>
-bool warp_rows(int64_t n) {
-  return (n + P - 1) / P <= 32 * row_packs_per_thread<Op, T, P>();
+bool warp_rows(int64_t n, bool fast_dram) {
+  return (n + P - 1) / P <= 32 * row_packs_per_thread<Op, T, P>(fast_dram);
 }
 
 // Threads of a row_block_kernel launch for chunks of `chunk` elements: the largest power of two
@@ -185,8 +190,8 @@ bool warp_rows(int64_t n) {
 // 32768-element chunks float32 arg stops at 256 (4096x16384 with 512: 89.4 -> 90.2 µs, where sum
 // and max gained 0.6).
 template <class Op, class T, int P>
-int row_block_threads(int64_t chunk) {
-  const int64_t packs = (chunk + P - 1) / P, per_thread = row_packs_per_thread<Op, T, P>();
+int row_block_threads(int64_t chunk, bool fast_dram) {
+  const int64_t packs = (chunk + P - 1) / P, per_thread = row_packs_per_thread<Op, T, P>(fast_dram);
   const int most = f32_arg8<Op, T, P>() && chunk < 32768 ? 256 : max_row_block_threads<T>();
   int threads = 32;
   while (threads < most && threads * 2 * per_thread <= packs) threads *= 2;
@@ -209,13 +214,13 @@ int row_block_threads(int64_t chunk) {
 //   same-run A/B, µs: 1024x65536 92.9 -> 91.3, 512x131072 91.3 -> 90.4, full 2^26 (1024
 //   chunks) 95.9 -> 94.3, full 2^26 - 1 96.1 -> 94.5. Smaller launches keep 512, which fill the
 //   one wave they are (256 lost: 64x2^20 in 256 chunks 93.6 -> 96.0, 256x262144 89.7 -> 92.2).
-// A fixed function of the shape, like the split counts, so results do not depend on the device;
-// the H100 sets the constants.
+// A fixed function of the shape, like the split counts, so results do not depend on the device
+// (fast_dram moves only argmax / argmin, whose results no plan changes); the H100 sets the constants.
 constexpr int64_t kPlanSms = 132;  // H100 SMs, as _PLAN_SMS in jaxops/_reductions.py
 constexpr int64_t kWave16 = kPlanSms * 3;
 template <class Op, class T, int P>
-int row_launch_threads(int64_t rows, int64_t splits, int64_t chunk) {
-  const int threads = row_block_threads<Op, T, P>(chunk);
+int row_launch_threads(int64_t rows, int64_t splits, int64_t chunk, bool fast_dram) {
+  const int threads = row_block_threads<Op, T, P>(chunk, fast_dram);
   constexpr bool k80 = arg16_types<Op, T, P>() || lse16_path<Op, T, P>();
   constexpr bool f32_lse = sizeof(T) == 4 && !Op::kIndex && sizeof(typename Op::State) == 8;
   if (k80 && splits == 1 && rows > kWave16 && rows <= 2 * kWave16) return threads > 128 ? 128 : threads;

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "common/cuda_util.cuh"
+#include "common/device_info.h"
 #include "common/launch.cuh"
 #include "common/memo.h"
 #include "softmax/softmax_common.cuh"
@@ -17,6 +18,7 @@ struct CachedPlan {
   int64_t slice = 0;  // columns per block, a multiple of the pack
   int threads = 0;
   size_t smem = 0;
+  bool persistent = false;  // the persistent grid (see persistent_plan)
 };
 
 // Block sizes the cached kernels may use, largest first. A block's phases (load, reduce, exp,
@@ -27,8 +29,21 @@ struct CachedPlan {
 constexpr int kCachedThreads[] = {1024, 512, 256, 128};
 constexpr int64_t kMaxPacksPerThread = 4 * kUnroll;
 
-// Picks the smallest cluster whose blocks each cache at most kCachedBytesPerBlock of the row (more
-// if the cluster limit is reached); false when even the largest cluster cannot cache it.
+// Rows of 32-64 KB (what a block caches) on chips whose DRAM does not outrun the SMs
+// (cuda::dram_outruns_sms) take one 64 KB block a row instead of a cluster of two 32 KB blocks:
+// the forward one block a row (async_cached_grid), the backward the register-staged kernel. H100,
+// session 62 run 3, same-run A/B, 32 KB / 64 KB slices a block, µs: float32 4096x16384 forward
+// 196.2 / 179.8, log_softmax 196.0 / 180.1; bf16 2048x32768 forward 102.3 / 91.5, log_softmax
+// 101.8 / 91.7; bf16 4096x16384 backward 142.6 / 137.6. Longer rows lost with 64 KB slices there
+// (bf16 256x262144 forward 98.5 / 101.0, 2048x32768 backward 142.2 / 143.8; float32 4096x16384
+// backward 278.0 / 280.7) and keep 32 KB; the H200 keeps 32 KB throughout (session 36, below).
+constexpr size_t kOneBlockRowBytes = 64 * 1024;
+inline size_t cached_bytes_per_block(size_t row_bytes, const DeviceInfo& dev) {
+  return row_bytes <= kOneBlockRowBytes && !dram_outruns_sms(dev) ? kOneBlockRowBytes : kCachedBytesPerBlock;
+}
+
+// Picks the smallest cluster whose blocks each cache at most cached_bytes_per_block of the row
+// (more if the cluster limit is reached); false when even the largest cluster cannot cache it.
 // The cp.async forward's rows took 64 KB slices from session 8 (H100: f32 512x131072 201.3 ->
 // 196.2 µs, 2048x32768 196.8 -> 194.3, bf16 2048x32768 104.4 -> 100.1 against 32 KB) to session
 // 36, when the H200 measured 32 KB (twice the cluster, up to twice the blocks an SM) faster or
@@ -43,8 +58,9 @@ bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, co
   const int max_cluster = dev.cc_major >= 9 ? 16 : 1;
   const size_t smem_limit = static_cast<size_t>(dev.max_smem_optin) - 1024;  // static scratch
   const size_t row_bytes = static_cast<size_t>(cols) * bytes_per_col;
+  const size_t block_bytes = cached_bytes_per_block(row_bytes, dev);
   int cluster = 1;
-  while (cluster < max_cluster && row_bytes > kCachedBytesPerBlock * cluster) cluster *= 2;
+  while (cluster < max_cluster && row_bytes > block_bytes * cluster) cluster *= 2;
   for (; cluster >= 1; cluster /= 2) {
     const int64_t slice = ceil_div<int64_t>(ceil_div<int64_t>(cols, cluster), pack) * pack;
     const size_t smem = static_cast<size_t>(slice) * bytes_per_col;
@@ -54,7 +70,8 @@ bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, co
     for (const int threads : kCachedThreads) {
       if (threads != kCachedThreads[0] && packs > threads * kMaxPacksPerThread) break;
       const int64_t resident = resident_clusters(kernel, threads, smem, cluster, dev);
-      if (resident > best.max_clusters) best = {resident, cluster, slice, threads, smem};
+      const bool persistent = cluster > 1 || smem > block_bytes;
+      if (resident > best.max_clusters) best = {resident, cluster, slice, threads, smem, persistent};
     }
     if (best.max_clusters > 0) {
       *plan = best;
@@ -64,19 +81,22 @@ bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, co
   return false;
 }
 
-// plan_cached, remembered per (kernel, device, row shape). A failure sends the row to the
-// uncached path, whose rows are so long that the queries' cost does not show.
+// plan_cached, remembered per (kernel, device, row shape, and dram_outruns_sms, which the
+// JAXOPS_FAST_DRAM test hook may flip within a process). A failure sends the row to the uncached
+// path, whose rows are so long that the queries' cost does not show.
 template <class Kernel>
 bool remembered_plan(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, const DeviceInfo& dev,
                      CachedPlan* plan) {
-  return remembered(reinterpret_cast<const void*>(kernel), dev.device, cols, int64_t(bytes_per_col), plan,
+  const int64_t key = int64_t(bytes_per_col) * 2 + (dram_outruns_sms(dev) ? 1 : 0);
+  return remembered(reinterpret_cast<const void*>(kernel), dev.device, cols, key, plan,
                     [&](CachedPlan* p) {
                       return plan_cached(kernel, cols, pack, bytes_per_col, dev, p);
                     });
 }
 
-// Whether a plan runs the persistent grid (rather than one block per row; see async_cached_grid).
-inline bool persistent_plan(const CachedPlan& plan) { return plan.cluster > 1 || plan.smem > kCachedBytesPerBlock; }
+// Whether a plan runs the persistent grid (rather than one block per row; see async_cached_grid):
+// a cluster, or a slice past cached_bytes_per_block.
+inline bool persistent_plan(const CachedPlan& plan) { return plan.persistent; }
 
 // A persistent grid: every resident cluster loops over rows, so cluster scheduling is paid once
 // and each block requests its next row while writing the current one (forward, 16-byte packs).
