@@ -37,9 +37,12 @@ constexpr int64_t kMaxPacksPerThread = 4 * kUnroll;
 // 101.8 / 91.7; bf16 4096x16384 backward 142.6 / 137.6. Longer rows lost with 64 KB slices there
 // (bf16 256x262144 forward 98.5 / 101.0, 2048x32768 backward 142.2 / 143.8; float32 4096x16384
 // backward 278.0 / 280.7) and keep 32 KB; the H200 keeps 32 KB throughout (session 36, below).
+// Chips without clusters (before sm_90) keep 32 KB: they have no cluster to save, and nothing
+// was measured there.
 constexpr size_t kOneBlockRowBytes = 64 * 1024;
 inline size_t cached_bytes_per_block(size_t row_bytes, const DeviceInfo& dev) {
-  return row_bytes <= kOneBlockRowBytes && !dram_outruns_sms(dev) ? kOneBlockRowBytes : kCachedBytesPerBlock;
+  const bool one_block = dev.cc_major >= 9 && row_bytes <= kOneBlockRowBytes && !dram_outruns_sms(dev);
+  return one_block ? kOneBlockRowBytes : kCachedBytesPerBlock;
 }
 
 // Picks the smallest cluster whose blocks each cache at most cached_bytes_per_block of the row
