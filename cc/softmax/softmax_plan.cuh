@@ -38,15 +38,18 @@ constexpr int64_t kMaxPacksPerThread = 4 * kUnroll;
 // (bf16 256x262144 forward 98.5 / 101.0, 2048x32768 backward 142.2 / 143.8; float32 4096x16384
 // backward 278.0 / 280.7) and keep 32 KB; the H200 keeps 32 KB throughout (session 36, below).
 // Chips without clusters (before sm_90) keep 32 KB: they have no cluster to save, and nothing
-// was measured there.
+// was measured there. Rows of <= 32 KB get the same plan from either budget, so only the rows the
+// rule decides read the predicate (a getenv: the JAXOPS_FAST_DRAM hook).
 constexpr size_t kOneBlockRowBytes = 64 * 1024;
 inline size_t cached_bytes_per_block(size_t row_bytes, const DeviceInfo& dev) {
-  const bool one_block = dev.cc_major >= 9 && row_bytes <= kOneBlockRowBytes && !dram_outruns_sms(dev);
+  const bool one_block = dev.cc_major >= 9 && row_bytes > kCachedBytesPerBlock && row_bytes <= kOneBlockRowBytes &&
+                         !dram_outruns_sms(dev);
   return one_block ? kOneBlockRowBytes : kCachedBytesPerBlock;
 }
 
-// Picks the smallest cluster whose blocks each cache at most cached_bytes_per_block of the row
-// (more if the cluster limit is reached); false when even the largest cluster cannot cache it.
+// Picks the smallest cluster whose blocks each cache at most `block_bytes` of the row
+// (cached_bytes_per_block; more if the cluster limit is reached); false when even the largest
+// cluster cannot cache it.
 // The cp.async forward's rows took 64 KB slices from session 8 (H100: f32 512x131072 201.3 ->
 // 196.2 µs, 2048x32768 196.8 -> 194.3, bf16 2048x32768 104.4 -> 100.1 against 32 KB) to session
 // 36, when the H200 measured 32 KB (twice the cluster, up to twice the blocks an SM) faster or
@@ -56,12 +59,11 @@ inline size_t cached_bytes_per_block(size_t row_bytes, const DeviceInfo& dev) {
 // (the one loss), 5461x12288 157.4 / 156.1; bf16 512x131072 76.4 / 74.1, 256x262144 79.7 /
 // 77.6-77.8, 2048x32768 75.4 / 74.6. 16 KB lost at 12288 (f32 166.1) and bf16 131072 (83.6).
 template <class Kernel>
-bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, const DeviceInfo& dev,
-                 CachedPlan* plan) {
+bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, size_t block_bytes,
+                 const DeviceInfo& dev, CachedPlan* plan) {
   const int max_cluster = dev.cc_major >= 9 ? 16 : 1;
   const size_t smem_limit = static_cast<size_t>(dev.max_smem_optin) - 1024;  // static scratch
   const size_t row_bytes = static_cast<size_t>(cols) * bytes_per_col;
-  const size_t block_bytes = cached_bytes_per_block(row_bytes, dev);
   int cluster = 1;
   while (cluster < max_cluster && row_bytes > block_bytes * cluster) cluster *= 2;
   for (; cluster >= 1; cluster /= 2) {
@@ -69,11 +71,11 @@ bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, co
     const size_t smem = static_cast<size_t>(slice) * bytes_per_col;
     if (smem > smem_limit) return false;
     const int64_t packs = slice / pack;
+    const bool persistent = cluster > 1 || smem > block_bytes;
     CachedPlan best;
     for (const int threads : kCachedThreads) {
       if (threads != kCachedThreads[0] && packs > threads * kMaxPacksPerThread) break;
       const int64_t resident = resident_clusters(kernel, threads, smem, cluster, dev);
-      const bool persistent = cluster > 1 || smem > block_bytes;
       if (resident > best.max_clusters) best = {resident, cluster, slice, threads, smem, persistent};
     }
     if (best.max_clusters > 0) {
@@ -84,16 +86,17 @@ bool plan_cached(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, co
   return false;
 }
 
-// plan_cached, remembered per (kernel, device, row shape, and dram_outruns_sms, which the
+// plan_cached, remembered per (kernel, device, row shape, and the block budget, which the
 // JAXOPS_FAST_DRAM test hook may flip within a process). A failure sends the row to the uncached
 // path, whose rows are so long that the queries' cost does not show.
 template <class Kernel>
 bool remembered_plan(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col, const DeviceInfo& dev,
                      CachedPlan* plan) {
-  const int64_t key = int64_t(bytes_per_col) * 2 + (dram_outruns_sms(dev) ? 1 : 0);
+  const size_t block_bytes = cached_bytes_per_block(static_cast<size_t>(cols) * bytes_per_col, dev);
+  const int64_t key = int64_t(bytes_per_col) * 2 + (block_bytes == kCachedBytesPerBlock ? 0 : 1);
   return remembered(reinterpret_cast<const void*>(kernel), dev.device, cols, key, plan,
                     [&](CachedPlan* p) {
-                      return plan_cached(kernel, cols, pack, bytes_per_col, dev, p);
+                      return plan_cached(kernel, cols, pack, bytes_per_col, block_bytes, dev, p);
                     });
 }
 
