@@ -17,10 +17,15 @@ ffi::Error ReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
   if (auto err = check_reduce(x, *y, *ws, op, splits, &v); err.failure()) return err;
   if (v.outer * v.inner == 0) return ffi::Error::Success();
   if (v.reduced == 0) v.splits = 1;  // nothing to split: identities only
-  cuda::DeviceInfo info;
-  if (cudaError_t err = cuda::device_info(&info); err != cudaSuccess) return cuda_status(err, op_name(v.kind));
+  // Only argmax / argmin plans read the chip (Plan::fast_dram); the other ops skip the query.
+  bool fast_dram = false;
+  if (is_arg(v.kind)) {
+    cuda::DeviceInfo info;
+    if (cudaError_t err = cuda::device_info(&info); err != cudaSuccess) return cuda_status(err, op_name(v.kind));
+    fast_dram = cuda::dram_outruns_sms(info);
+  }
   const Plan plan{v.kind,  v.dtype,   x.untyped_data(), y->untyped_data(), ws->untyped_data(),
-                  v.outer, v.reduced, v.inner,          v.splits,          cuda::dram_outruns_sms(info)};
+                  v.outer, v.reduced, v.inner,          v.splits,          fast_dram};
   cudaError_t status;
   switch (v.kind) {
     case OpKind::kSum:
