@@ -569,6 +569,20 @@ def test_dram_plans_gpu(key, monkeypatch, fast_dram, dtype, cols):
 
 
 @gpu_only
+@pytest.mark.parametrize("fast_dram", ["0", "1"])
+@pytest.mark.parametrize("dtype,rows,cols", [(jnp.bfloat16, 4001, 128), (jnp.float16, 30001, 8),
+                                             (jnp.bfloat16, 997, 256), (jnp.bfloat16, 3, 64),
+                                             (jnp.float32, 2001, 128)])
+def test_narrow_backward_dram_plans_gpu(key, monkeypatch, fast_dram, dtype, rows, cols):
+    # Session 63: rows of <= 32 16-byte packs take backward_team for 16-bit types where DRAM does
+    # not outrun the SMs (the H100) and backward_team_lean elsewhere (float32 always). Both plans
+    # on any chip: 1, 8, 16 and 32 packs a row, 3 rows (fewer than a team's block), gradients of
+    # both ops against the references and dscale / dbias bit-identical over two runs.
+    monkeypatch.setenv("JAXOPS_FAST_DRAM", fast_dram)
+    _check_backward(key, dtype, rows, cols, jax.random.key(63))
+
+
+@gpu_only
 @pytest.mark.parametrize("cluster", ["1", "2", "8"])
 @pytest.mark.parametrize("dtype,rows,cols", [(jnp.bfloat16, 3001, 4096), (jnp.bfloat16, 13, 8192),
                                              (jnp.float16, 7000, 1024), (jnp.float32, 2000, 4096),

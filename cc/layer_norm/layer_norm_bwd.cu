@@ -272,6 +272,12 @@ cudaError_t launch_narrow(const BackwardArgs& a, const cuda::DeviceInfo& info, c
                           int width) {
   return with_team_width(width, [&](auto w) {
     if constexpr (sizeof(T) <= 4 && kPack * sizeof(T) == 16) {
+      // 16-bit rows keep backward_team where DRAM does not outrun the SMs (cuda::dram_outruns_sms).
+      // H100, session 63 run 3, us (lean -> team): bf16 rms_norm_bwd 524288x128 150.6 -> 145.3,
+      // 2097152x32 155.8 -> 148.2; layer_norm_bwd 150.4 -> 148.3, 155.5 -> 152.2. float32 stays
+      // lean there (286.3 -> 287.8); the H200 took lean for both (session 50: bf16 120.8 -> 113.1).
+      if constexpr (sizeof(T) == 2)
+        if (!cuda::dram_outruns_sms(info)) return launch_team<T, kPack, 1, decltype(w)::value>(a, info, stream);
       return launch_narrow_lean<T, kPack, decltype(w)::value>(a, info, stream);
     } else {  // narrower packs (unaligned rows, float64)
       if constexpr (kPack == 1 && sizeof(T) <= 4)
