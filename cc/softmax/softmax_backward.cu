@@ -29,7 +29,7 @@ bool launch_lean_backward(const T* y, const T* dy, const bool* mask, T* dx, int6
   CachedPlan plan;
   const size_t col_bytes = 2 * sizeof(T) + (kMaskable ? 1 : 0);  // the mask's slice is cached too
   if (!remembered_plan(backward_cached_lean<T, P, kWindow, kMaskable>, plan_cols, P, col_bytes, dev, &plan) ||
-      !(any_plan || persistent_plan(plan))) {
+      !(any_plan || plan.persistent)) {
     return false;
   }
   *err = launch_clustered(backward_cached_lean<T, P, kWindow, kMaskable>, cached_grid(rows, plan), plan.threads,

@@ -18,7 +18,9 @@ struct CachedPlan {
   int64_t slice = 0;  // columns per block, a multiple of the pack
   int threads = 0;
   size_t smem = 0;
-  bool persistent = false;  // the persistent grid (see persistent_plan)
+  // The persistent grid (rather than one block per row; see async_cached_grid): a cluster, or a
+  // slice past cached_bytes_per_block.
+  bool persistent = false;
 };
 
 // Block sizes the cached kernels may use, largest first. A block's phases (load, reduce, exp,
@@ -100,10 +102,6 @@ bool remembered_plan(Kernel kernel, int64_t cols, int pack, size_t bytes_per_col
                     });
 }
 
-// Whether a plan runs the persistent grid (rather than one block per row; see async_cached_grid):
-// a cluster, or a slice past cached_bytes_per_block.
-inline bool persistent_plan(const CachedPlan& plan) { return plan.persistent; }
-
 // A persistent grid: every resident cluster loops over rows, so cluster scheduling is paid once
 // and each block requests its next row while writing the current one (forward, 16-byte packs).
 // Long rows (a cluster, or more than one block's cache budget) need that refill: one cluster per
@@ -118,7 +116,7 @@ inline int64_t cached_grid(int64_t rows, const CachedPlan& plan) {
 // 1025-8192 columns (session 5; the persistent grid's blocks finish their last rows unevenly,
 // and each block's row loop serializes its rows' latencies).
 inline int64_t async_cached_grid(int64_t rows, const CachedPlan& plan) {
-  if (!persistent_plan(plan)) return std::min<int64_t>(rows, INT32_MAX);
+  if (!plan.persistent) return std::min<int64_t>(rows, INT32_MAX);
   return cached_grid(rows, plan);
 }
 
@@ -143,7 +141,7 @@ constexpr size_t kL2PrefetchBudget = size_t(8) << 20;
 // next to the output stream, so prefetched lines are not evicted before the refill reads them.
 inline unsigned l2_prefetch_bytes(const CachedPlan& plan, const DeviceInfo& dev, int arrays, size_t elem_bytes) {
   const int64_t blocks = plan.max_clusters * plan.cluster;
-  if (dev.cc_major < 9 || !persistent_plan(plan) || blocks <= 0 || blocks > dev.sm_count) return 0;
+  if (dev.cc_major < 9 || !plan.persistent || blocks <= 0 || blocks > dev.sm_count) return 0;
   const size_t slice_bytes = size_t(plan.slice) * elem_bytes;
   const size_t share = kL2PrefetchBudget / size_t(blocks) / arrays / 16 * 16;
   return unsigned(std::min(share, slice_bytes));
