@@ -45,4 +45,17 @@ inline int merge_mode() {
   return mode;
 }
 
+// JAXOPS_BN_RESIDUAL_SMEM=0 or =1 (read once per process) forces the resident forward's staging
+// of the residual slice in shared memory (bn_resident.cu) off, or on wherever it fits; unset, the
+// launcher picks by slice size. Returns -1 (unset), 0 (off) or 1 (on). Staging moves where the
+// residual is read from, not the arithmetic: results are bit-identical either way.
+inline int residual_stage_mode() {
+  static const int mode = [] {
+    const char* e = std::getenv("JAXOPS_BN_RESIDUAL_SMEM");
+    if (e == nullptr || e[0] == '\0') return -1;
+    return e[0] == '0' ? 0 : 1;
+  }();
+  return mode;
+}
+
 }  // namespace jaxops::batch_norm
