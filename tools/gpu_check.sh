@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-machine session: build, test, sanitize and benchmark, logs under $OUT.
-#   tools/gpu_check.sh [build] [test[=PYTEST_ARGS]] [sanitize[=PYTEST_ARGS]] [bench[=BENCH_ARGS]]
+#   tools/gpu_check.sh [build | stage] [test[=PYTEST_ARGS]] [sanitize[=PYTEST_ARGS]] [bench[=BENCH_ARGS]]
 # Each step's log is $OUT/<step>.log; a summary of every step's status goes to $OUT/summary.txt.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -20,6 +20,17 @@ step_build() {
   [ -n "$log" ] && { echo "== slowest targets"; awk '!/^#/ {printf "%7.1f s  %s\n", ($2 - $1) / 1000, $4}' "$log" |
     sort -rn | head -8; } >>"$out/build.log"
   return $rc
+}
+# Instead of build: installs build/device-stage (tools/device_stage.sh, built on the workstation
+# and carried) into python3's site-packages, in a few seconds; stage.log shows what it was built
+# from and that it imports with CUDA.
+step_stage() {
+  local site
+  site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  (python3 -m pip uninstall -y -q jaxops 2>/dev/null; rm -rf "$site/jaxops" &&
+   cp -r "$root/build/device-stage/jaxops" "$site/jaxops" && cat "$root/build/device-stage/STAMP" &&
+   cd /tmp && python3 -c "import jaxops; i = jaxops.build_info(); print(i['platforms'], i['cuda_architectures'])" &&
+   python3 -c "import jaxops; assert 'cuda' in jaxops.build_info()['platforms']") >"$out/stage.log" 2>&1
 }
 step_test() {
   (cd /tmp && python -c "import jaxops, jax; print(jaxops.build_info(), jax.devices())" &&
@@ -66,6 +77,6 @@ for arg in "$@"; do
   rc=$?
   note "$step rc=$rc $(( $(date +%s) - start ))s"
   tail -n 3 "$out/$step.log" | sed 's/^/    /' | tee -a "$summary"
-  [ "$step" = build ] && [ $rc -ne 0 ] && { tail -n 60 "$out/build.log"; exit 1; }
+  [ "$step" = build ] || [ "$step" = stage ] && [ $rc -ne 0 ] && { tail -n 60 "$out/$step.log"; exit 1; }
 done
 exit 0
