@@ -287,20 +287,23 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   constexpr int kChunk = 32 * P;
   const int stride = apply_warps * kChunk;
+  // The apply's chunks: fn(i, i0) for the warp's chunk i and the lane's pack i0 (maybe past n).
+  const auto for_each_chunk = [&](auto fn) {
+    for (int i = warp < apply_warps ? warp * kChunk : n; i < n; i += stride) fn(i, i + lane * P);
+  };
   // The residual slice, staged (host: where it fits and pays): DRAM idles through the barrier and
   // the merge, so the residual is copied into shared memory after the x slice then, and the apply
   // only reads shared memory and writes. Each thread copies exactly the packs its apply reads, so
   // its own wait orders them and no barrier is needed.
   T* const rsm = xs + rpb * C;  // rpb * C is a multiple of 32: 16-byte aligned
   if (res_staged) {
-    for (int i = warp < apply_warps ? warp * kChunk : n; i < n; i += stride) {
-      const int i0 = i + lane * P;
+    for_each_chunk([&](int, int i0) {
       if (i0 + P <= n) {
         __pipeline_memcpy_async(rsm + i0, res + e0 + i0, 16);
       } else {
         for (int k = 0; i0 + k < n && k < P; ++k) rsm[i0 + k] = res[e0 + i0 + k];
       }
-    }
+    });
     __pipeline_commit();
   }
   cooperative_groups::this_grid().sync();
@@ -324,8 +327,7 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
   const T* rs = res_staged ? rsm : res ? res + e0 : nullptr;
   if (res_staged) __pipeline_wait_prior(0);
   uint32_t* mw = mask + e0 / 32;
-  for (int i = warp < apply_warps ? warp * kChunk : n; i < n; i += stride) {  // warp-uniform: the ballot sees all lanes
-    const int i0 = i + lane * P;
+  for_each_chunk([&](int i, int i0) {  // warp-uniform: the ballot sees all lanes
     uint32_t bits = 0;
     if (i0 < n) bits = apply_pack<T, P>(xs, rs, y + e0, sh, a, b, i0, n, relu, res_staged);
     if (with_mask) {
@@ -333,7 +335,7 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
       const int w = i / 32 + lane;
       if (lane < P && w * 32 < n) mw[w] = word;
     }
-  }
+  });
 }
 
 
