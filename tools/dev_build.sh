@@ -2,6 +2,7 @@
 # Builds jaxops into build/dev-NAME/stage without touching site-packages, so several
 # developers can build from one tree at once. Use the result with PYTHONPATH:
 #   tools/dev_build.sh NAME [cuda]        # cuda: also build the CUDA handlers (sm_90 only)
+# PYTHON picks the interpreter the modules are built for (default: python3).
 #   PYTHONPATH=build/dev-NAME/stage pytest -q tests/test_softmax.py
 # (plain `pytest`, or python from outside the tree: `python -m` puts the source jaxops/ first.)
 set -euo pipefail
@@ -13,7 +14,7 @@ build=$root/build/dev-$name
 stage=$build/stage
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAXOPS_CUDA=$cuda \
   -DJAXOPS_CUDA_ARCHITECTURES=${JAXOPS_CUDA_ARCHITECTURES:-90} \
-  -DPython_EXECUTABLE="$(command -v python3)" >/dev/null
+  -DPython_EXECUTABLE="${PYTHON:-$(command -v python3)}" >/dev/null
 cmake --build "$build" -j "${JOBS:-2}"
 rm -rf "$stage/jaxops" && mkdir -p "$stage"
 cp -r "$root/jaxops" "$stage/jaxops" && rm -f "$stage/jaxops/"*.so

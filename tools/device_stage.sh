@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Builds the GPU machine's jaxops HERE (its Python, 3.12; sm_90; Release) into build/device-stage,
-# so a device call spends its time running, not building (a fresh machine's `gpu_check.sh build`
-# takes 160-190 s of the session's 1800). On the device: carry ["build/device-stage"], then
-# `tools/gpu_check.sh stage ...` installs it in place of `build`.
-#   tools/device_stage.sh            # incremental: build/device-py312 keeps the objects
+# Builds the GPU machine's jaxops HERE (its Python, 3.12; sm_90; Release) into build/dev-device/stage
+# by tools/dev_build.sh, so a device call spends its time running, not building (a fresh machine's
+# `gpu_check.sh build` takes 160-190 s of the session's 1800). On the device: carry
+# ["build/dev-device/stage"], then `tools/gpu_check.sh stage ...` installs it in place of `build`.
+#   tools/device_stage.sh            # incremental: build/dev-device keeps the objects
 # DEVICE_PYTHON overrides the interpreter (default: pyenv's 3.12). Needs nanobind for it
 # (installed with pip on first use).
 set -euo pipefail
@@ -11,15 +11,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 py=${DEVICE_PYTHON:-$(ls -d /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)}
 [ -x "$py" ] || { echo "device_stage: no Python 3.12 (set DEVICE_PYTHON)" >&2; exit 1; }
 "$py" -c "import nanobind" 2>/dev/null || "$py" -m pip install -q nanobind
-build=$root/build/device-py312
-stage=$root/build/device-stage
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAXOPS_CUDA=ON -DJAXOPS_CUDA_ARCHITECTURES=90 \
-  -DPython_EXECUTABLE="$py" >/dev/null
-cmake --build "$build" -j "${JOBS:-2}"
-rm -rf "$stage" && mkdir -p "$stage"
-cp -r "$root/jaxops" "$stage/jaxops"
-find "$stage" -name __pycache__ -prune -exec rm -rf {} + && rm -f "$stage/jaxops/"*.so
-cp "$build"/_jaxops_*.so "$stage/jaxops/"
+PYTHON="$py" "$root/tools/dev_build.sh" device cuda
+stage=$root/build/dev-device/stage
 # What the stage was built from: the device's run can print it next to its results.
 { git -C "$root" rev-parse HEAD; git -C "$root" diff --stat HEAD | tail -1; date -u; } >"$stage/STAMP"
 du -sh "$stage"

@@ -21,16 +21,16 @@ step_build() {
     sort -rn | head -8; } >>"$out/build.log"
   return $rc
 }
-# Instead of build: installs build/device-stage (tools/device_stage.sh, built on the workstation
-# and carried) into python3's site-packages, in a few seconds; stage.log shows what it was built
-# from and that it imports with CUDA.
+# Instead of build: installs build/dev-device/stage (tools/device_stage.sh, built on the
+# workstation and carried) into python3's site-packages, in a few seconds; stage.log shows what it
+# was built from and that it imports with CUDA.
 step_stage() {
-  local site
+  local site stage=$root/build/dev-device/stage
   site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   (python3 -m pip uninstall -y -q jaxops 2>/dev/null; rm -rf "$site/jaxops" &&
-   cp -r "$root/build/device-stage/jaxops" "$site/jaxops" && cat "$root/build/device-stage/STAMP" &&
-   cd /tmp && python3 -c "import jaxops; i = jaxops.build_info(); print(i['platforms'], i['cuda_architectures'])" &&
-   python3 -c "import jaxops; assert 'cuda' in jaxops.build_info()['platforms']") >"$out/stage.log" 2>&1
+   cp -r "$stage/jaxops" "$site/jaxops" && cat "$stage/STAMP" && cd /tmp &&
+   python3 -c "import jaxops; i = jaxops.build_info(); print(i['platforms'], i['cuda_architectures'])
+assert 'cuda' in i['platforms']") >"$out/stage.log" 2>&1
 }
 step_test() {
   (cd /tmp && python -c "import jaxops, jax; print(jaxops.build_info(), jax.devices())" &&
