@@ -53,7 +53,7 @@ using namespace resident;  // kThreads, Smem, fold_lanes, normalize_pack, launch
 
 constexpr int kLoadUnroll = 4;  // 16-byte packs a thread loads before it stores them: 64 KB in flight per SM
 constexpr int64_t kLightBlockElems = 64 * 1024;  // see resident_forward_cuda
-constexpr int64_t kStageResidualElems = 16 * 1024;  // see resident_forward_cuda
+constexpr size_t kStageResidualBytes = 80 * 1024;  // see resident_forward_cuda
 constexpr int64_t kMaxMergeChain = 8;  // see resident_forward_cuda
 // Partials a merging thread loads at once (merge_partials). H100, session 65, against the plain
 // loop: bfloat16 BN+ReLU (16,112,112,32) 17.5 -> 17.2 us, (8,56,56,32) 11.1 -> 10.8, float32
@@ -418,17 +418,21 @@ cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void
   int apply_warps = kWarps;
   while (apply_warps > kWarps / 2 && apply_warps * 32 * pack % C != 0) --apply_warps;
   if (apply_warps * 32 * pack % C != 0) return cudaSuccess;
-  size_t smem = smem_head(C) + static_cast<size_t>(rpb * C) * esize;
+  const size_t slice_bytes = static_cast<size_t>(rpb * C) * esize;
+  size_t smem = smem_head(C) + slice_bytes;
   if (smem > static_cast<size_t>(dev.max_smem_optin)) return cudaSuccess;
   // The residual slice staged in shared memory too (see the kernel), where it fits and the slice
-  // is long enough: measured (H100, session 64) BN+Add+ReLU bfloat16 (16,112,112,32) and
-  // (32,56,56,64), 48.7K elements a block, 24.1 -> 23.1 and 25.4 -> 24.4 us; (8,56,56,32), 6K
-  // elements, 11.2 -> 11.4 (float32 11.0 -> 11.4): a short apply has little latency to hide and
-  // the copy delays the barrier.
-  const size_t staged = smem + static_cast<size_t>(rpb * C) * esize;
+  // is long enough in bytes: the staging copy delays the grid barrier, which only a long apply
+  // earns back. Measured (H100, BN+Add+ReLU, µs, unstaged -> staged): 97 KB a block win, bfloat16
+  // (16,112,112,32) 23.8 -> 22.8, (64,28,28,128) 26.2 -> 25.2, float32 (16,56,56,64) 23.7 -> 22.0,
+  // (32,28,28,128) 24.5 -> 23.0, (16,28,28,256) 23.3 -> 22.1; 73 KB and less lose, bfloat16
+  // (64,28,28,96) and (32,56,56,48) 20.7 -> 20.9 and 20.6 -> 20.8, 49 KB (16,56,56,64) 16.1 -> 16.8,
+  // (32,28,28,128) 17.2 -> 17.9, (16,28,28,256) 15.6 -> 16.4 (session 65 run 4); 12-24 KB
+  // (8,56,56,32) lose 0.2-0.4 (session 64).
+  const size_t staged = smem + slice_bytes;
   const int stage_hook = residual_stage_mode();
   bool res_staged = residual != nullptr && staged <= static_cast<size_t>(dev.max_smem_optin) &&
-                    (stage_hook >= 0 ? stage_hook == 1 : rpb * C >= kStageResidualElems);
+                    (stage_hook >= 0 ? stage_hook == 1 : slice_bytes >= kStageResidualBytes);
   if (res_staged) smem = staged;
   const int64_t blocks = cuda::ceil_div(R, rpb);
   const int lanes = pow2_floor(static_cast<int>(kThreads / C));
