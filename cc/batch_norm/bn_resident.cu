@@ -173,10 +173,8 @@ __device__ __forceinline__ void merge_partials(const T* __restrict__ x, const fl
   // merge's division. Same merges in the same order as the loop alone: bit-identical.
   if (active) {
     merge_held<kHeldPartials>(v, ws, j, lanes, C, c, count);
-    for (int64_t bk = j + kHeldPartials * int64_t(lanes); bk < gridDim.x; bk += lanes) {
-      const float* p = ws + bk * 3 * int64_t(C) + c;
-      v.merge(FMoments{count(bk), __ldcg(p), __ldcg(p + C), __ldcg(p + 2 * C)});
-    }
+    for (int64_t bk = j + kHeldPartials * int64_t(lanes); bk < gridDim.x; bk += lanes)
+      merge_held<1>(v, ws, bk, lanes, C, c, count);
   }
   __syncthreads();
   sm.red[threadIdx.x] = v;
