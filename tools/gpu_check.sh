@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-machine session: build, test, sanitize and benchmark, logs under $OUT.
-#   tools/gpu_check.sh [build | stage] [test[=PYTEST_ARGS]] [sanitize[=PYTEST_ARGS]] [bench[=BENCH_ARGS]]
+#   tools/gpu_check.sh [build | stage[=DIR]] [test[=PYTEST_ARGS]] [sanitize[=PYTEST_ARGS]] [bench[=BENCH_ARGS]]
 # Each step's log is $OUT/<step>.log; a summary of every step's status goes to $OUT/summary.txt.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -23,14 +23,20 @@ step_build() {
 }
 # Instead of build: installs build/dev-device/stage (tools/device_stage.sh, built on the
 # workstation and carried) into python3's site-packages, in a few seconds; stage.log shows what it
-# was built from and that it imports with CUDA.
+# was built from, that it imports with CUDA and that a kernel runs. stage=DIR installs another
+# stage (a copy kept for an A/B of two builds in one call; DIR relative to the repository root).
 step_stage() {
-  local site stage=$root/build/dev-device/stage
+  local site stage=$root/${1:-build/dev-device/stage}
   site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   (python3 -m pip uninstall -y -q jaxops 2>/dev/null; rm -rf "$site/jaxops" &&
    cp -r "$stage/jaxops" "$site/jaxops" && cat "$stage/STAMP" && cd /tmp &&
    python3 -c "import jaxops; i = jaxops.build_info(); print(i['platforms'], i['cuda_architectures'])
-assert 'cuda' in i['platforms']") >"$out/stage.log" 2>&1
+assert 'cuda' in i['platforms']
+import jax, numpy as np  # one kernel: the driver loaded the stage's images
+x = jax.random.normal(jax.random.key(0), (4, 1000))
+assert jax.devices()[0].platform == 'gpu', jax.devices()
+np.testing.assert_allclose(jaxops.softmax(x), jax.nn.softmax(x), rtol=1e-5, atol=1e-7)
+print('softmax on', jax.devices()[0].device_kind)") >"$out/stage.log" 2>&1
 }
 step_test() {
   (cd /tmp && python -c "import jaxops, jax; print(jaxops.build_info(), jax.devices())" &&
