@@ -2,8 +2,8 @@
 # Builds jaxops into build/dev-NAME/stage without touching site-packages, so several
 # developers can build from one tree at once. Use the result with PYTHONPATH:
 #   tools/dev_build.sh NAME [cuda]        # cuda: also build the CUDA handlers (sm_90 only)
-# PYTHON picks the interpreter the modules are built for (default: python3); JAXOPS_CUDA_COMPRESS=ON
-# compresses the CUDA images (CMakeLists.txt).
+# PYTHON picks the interpreter the modules are built for (default: python3); JAXOPS_CUDA_COMPRESS=OFF
+# leaves the CUDA images uncompressed (CMakeLists.txt).
 #   PYTHONPATH=build/dev-NAME/stage pytest -q tests/test_softmax.py
 # (plain `pytest`, or python from outside the tree: `python -m` puts the source jaxops/ first.)
 set -euo pipefail
@@ -14,7 +14,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build=$root/build/dev-$name
 stage=$build/stage
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAXOPS_CUDA=$cuda \
-  -DJAXOPS_CUDA_ARCHITECTURES=${JAXOPS_CUDA_ARCHITECTURES:-90} -DJAXOPS_CUDA_COMPRESS=${JAXOPS_CUDA_COMPRESS:-OFF} \
+  -DJAXOPS_CUDA_ARCHITECTURES=${JAXOPS_CUDA_ARCHITECTURES:-90} -DJAXOPS_CUDA_COMPRESS=${JAXOPS_CUDA_COMPRESS:-ON} \
   -DPython_EXECUTABLE="${PYTHON:-$(command -v python3)}" >/dev/null
 cmake --build "$build" -j "${JOBS:-2}"
 rm -rf "$stage/jaxops" && mkdir -p "$stage"

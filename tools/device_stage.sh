@@ -11,10 +11,10 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 py=${DEVICE_PYTHON:-$(ls -d /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)}
 [ -x "$py" ] || { echo "device_stage: no Python 3.12 (set DEVICE_PYTHON)" >&2; exit 1; }
 "$py" -c "import nanobind" 2>/dev/null || "$py" -m pip install -q nanobind
-# Compressed images (a quarter of the bytes), so two stages fit a device call's 64 MiB carry;
-# JAXOPS_CUDA_COMPRESS=OFF builds them plain. gpu_check.sh's stage step runs a kernel, so a stage
-# the driver could not load fails there, not in the tests.
-JAXOPS_CUDA_COMPRESS=${JAXOPS_CUDA_COMPRESS:-ON} PYTHON="$py" "$root/tools/dev_build.sh" device cuda
+# Compressed images, as in the wheel (a quarter of the bytes: two stages fit a device call's 64 MiB
+# carry). gpu_check.sh's stage step runs a kernel, so a stage the driver could not load fails
+# there, not in the tests.
+PYTHON="$py" "$root/tools/dev_build.sh" device cuda
 stage=$root/build/dev-device/stage
 # What the stage was built from: the device's run can print it next to its results.
 { git -C "$root" rev-parse HEAD; git -C "$root" diff --stat HEAD | tail -1; date -u; } >"$stage/STAMP"
