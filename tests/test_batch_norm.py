@@ -626,9 +626,10 @@ def test_gpu_resident_matches_streaming(tmp_path):
     """The one-kernel forwards and the streaming kernels (JAXOPS_BN_RESIDENT=0) agree to rounding:
     the same formulas, only the order of the statistics' additions differs."""
     two = _probe(tmp_path, _PATH_PROBE, "streaming", {"JAXOPS_BN_RESIDENT": "0"})
-    # The resident forward's two merges of the blocks' partials (JAXOPS_BN_MERGE, bn_test_hooks.h),
-    # each forced on every shape, and the launcher's own choice.
-    for merge in ("", "all", "spread"):
+    # The resident forward's three merges of the blocks' partials (JAXOPS_BN_MERGE, bn_test_hooks.h:
+    # sums in every block, sums spread over the grid, Chan merges spread over the grid), each forced
+    # on every shape, and the launcher's own choice.
+    for merge in ("", "all", "spread", "chan"):
         one = _probe(tmp_path, _PATH_PROBE, "resident" + merge, {"JAXOPS_BN_MERGE": merge} if merge else {})
         assert sorted(one) == sorted(two) and len(one) == 8 * 5 + 7 * 4
         for k in one:

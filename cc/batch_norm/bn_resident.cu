@@ -22,9 +22,9 @@
 // Statistics: per block two passes (shifted mean, then M2 around it, exact), the first on the
 // load and the second over shared memory where the channels allow 16-byte reads (VecStats), else
 // both over shared memory, shifted by the channel's first-row pivot like the streaming kernels
-// (bn_reduce.cu); the blocks' (count, sum, mean, M2) partials merge with chan_merge in a fixed
-// order, identically in every block, so the result depends only on the shape and the device's
-// SM count.
+// (bn_reduce.cu). Every block shares the pivots, so the blocks' (shifted sum, M2) partials merge
+// by plain sums (merge_sums) in a fixed order, identically in every block, so the result depends
+// only on the shape and the device's SM count.
 #include <cooperative_groups.h>
 #include <cuda_pipeline.h>
 
@@ -54,12 +54,13 @@ using namespace resident;  // kThreads, Smem, fold_lanes, normalize_pack, launch
 constexpr int kLoadUnroll = 4;  // 16-byte packs a thread loads before it stores them: 64 KB in flight per SM
 constexpr int64_t kLightBlockElems = 64 * 1024;  // see resident_forward_cuda
 constexpr size_t kStageResidualBytes = 80 * 1024;  // see resident_forward_cuda
-constexpr int64_t kMaxMergeChain = 8;  // see resident_forward_cuda
-// Partials a merging thread loads at once (merge_partials). H100, session 65, against the plain
-// loop: bfloat16 BN+ReLU (16,112,112,32) 17.5 -> 17.2 us, (8,56,56,32) 11.1 -> 10.8, float32
-// 29.2 -> 28.8 and 10.5 -> 10.2; C = 64 (9 partials a thread) unchanged; batches of 4 in a loop
-// gained nothing. 5 fits 64 registers without spills.
-constexpr int kHeldPartials = 5;
+constexpr int64_t kMaxSumsEveryBlock = 32;  // see resident_forward_cuda
+// Partials a lane of sum_channel holds: grids of up to 32 * kSumHeld blocks in one round trip (an
+// H100 has 132 SMs); 5 fits 64 registers without spills.
+constexpr int kSumHeld = 5;
+// The merges of the blocks' partials (resident_forward_kernel's `merge`): merge_sums in every
+// block or spread over the grid, or merge_spread (Chan merges) for grids past 32 * kSumHeld.
+constexpr int kMergeSums = 0, kMergeSumsSpread = 1, kMergeChanSpread = 2;
 
 // Copies the n elements at src into shared memory: 16-byte packs, kLoadUnroll of them in flight
 // per thread, then the (last block's) tail element by element. kSum (the kVec layout, n whole
@@ -130,64 +131,79 @@ __device__ __forceinline__ uint32_t apply_pack(const T* __restrict__ xs, const T
   return bits;
 }
 
-// Merges the partials of blocks b0, b0 + lanes, ... (kHeld of them, those that exist) into v in
-// that order, all loaded before the first merge so that their L2 round trips overlap.
-template <int kHeld, class Count>
-__device__ __forceinline__ void merge_held(FMoments& v, const float* ws, int64_t b0, int lanes, int C, int c,
-                                           Count count) {
-  float hs[kHeld], hm[kHeld], hq[kHeld];
+// Channel ch's mean and biased variance from every block's partial, summed by one warp (every
+// lane returns the same values). ws: (2, C, G), block b's shifted sum at [0][ch][b] and its M2 at
+// [1][ch][b], so a warp's loads are whole lines; lane l takes blocks l, l + 32, ..., all loaded in
+// one round trip. All blocks shift by the same pivot, so no Chan step is needed: the shifted sums
+// add up to the mean, and M2 = sum over blocks of M2_b + (S_b - n_b mean)^2 / n_b (within plus
+// between, non-negative terms), one division a channel. The lane sums are xor butterflies, which
+// leave the same value in every lane.
+__device__ __forceinline__ void sum_channel(const float* ws, int ch, int C, int64_t R, int64_t rpb, float piv,
+                                            float& mean, float& var) {
+  const int lane = threadIdx.x % 32, G = gridDim.x;
+  const float n_full = static_cast<float>(rpb), n_last = static_cast<float>(R - (G - 1) * rpb);
+  const float inv_full = 1.f / n_full, inv_last = 1.f / n_last;
+  const auto add = [](float a, float b) { return a + b; };
+  const float* ps = ws + int64_t(ch) * G;  // written in this launch: not through __ldg
+  const float* pq = ws + int64_t(C + ch) * G;
+  float hs[kSumHeld], hq[kSumHeld];
 #pragma unroll
-  for (int i = 0; i < kHeld; ++i) {
-    const int64_t bk = b0 + int64_t(i) * lanes;
-    if (bk < gridDim.x) {
-      const float* p = ws + bk * 3 * int64_t(C) + c;  // written in this launch: not through __ldg
-      hs[i] = __ldcg(p);
-      hm[i] = __ldcg(p + C);
-      hq[i] = __ldcg(p + 2 * C);
+  for (int i = 0; i < kSumHeld; ++i) {
+    const int bk = lane + 32 * i;
+    hs[i] = bk < G ? __ldcg(ps + bk) : 0.f;
+    hq[i] = bk < G ? __ldcg(pq + bk) : 0.f;
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < kSumHeld; ++i) s += hs[i];
+  const float ms = cuda::warp_reduce(s, add) / static_cast<float>(R);  // the shifted mean
+  float m2 = 0.f;
+#pragma unroll
+  for (int i = 0; i < kSumHeld; ++i) {
+    const int bk = lane + 32 * i;
+    if (bk < G) {
+      const bool last = bk == G - 1;
+      const float d = hs[i] - (last ? n_last : n_full) * ms;
+      m2 += hq[i] + d * d * (last ? inv_last : inv_full);
     }
   }
-#pragma unroll
-  for (int i = 0; i < kHeld; ++i) {
-    const int64_t bk = b0 + int64_t(i) * lanes;
-    if (bk < gridDim.x) v.merge(FMoments{count(bk), hs[i], hm[i], hq[i]});
-  }
+  mean = piv + ms;
+  var = cuda::warp_reduce(m2, add) / static_cast<float>(R);
 }
 
-// After the grid barrier: every block merges all blocks' partials (ws: (blocks, 3, C) of shifted
-// sum, shifted mean, M2) the same way, so every block gets bit-identical coefficients: thread j
-// folds blocks j, j + lanes, ... in order, then the fixed tree over j. count(bk) is block bk's row
-// count. Writes the coefficients into sm.coef and, from block 0, mean and var.
-template <class T, class Count>
-__device__ __forceinline__ void merge_partials(const T* __restrict__ x, const float* ws, const float* __restrict__ scale,
-                                               const float* __restrict__ bias, float* __restrict__ mean_out,
-                                               float* __restrict__ var_out, const Smem& sm, int C, int lanes,
-                                               float eps, Count count) {
-  const int j = threadIdx.x / C, c = threadIdx.x - j * C;
-  const bool active = j < lanes;
-  // Loaded before the partials, so their latency overlaps the merge's instead of following it.
-  const float piv = active ? pivot_of(to_acc(x[c])) : 0.f;
-  const float sc = active && j == 0 ? scale[c] : 0.f, bi = active && j == 0 ? bias[c] : 0.f;
-  FMoments v{0.f, 0.f, 0.f, 0.f};
-  // The first kHeldPartials partials in one round trip (at C <= 32 the whole chain of 132 blocks
-  // over 32 lanes): the plain loop is not unrolled, so each of its loads waits for the previous
-  // merge's division. Same merges in the same order as the loop alone: bit-identical.
-  if (active) {
-    merge_held<kHeldPartials>(v, ws, j, lanes, C, c, count);
-    for (int64_t bk = j + kHeldPartials * int64_t(lanes); bk < gridDim.x; bk += lanes)
-      merge_held<1>(v, ws, bk, lanes, C, c, count);
-  }
-  __syncthreads();
-  sm.red[threadIdx.x] = v;
-  fold_lanes(sm.red, j, c, C, lanes, [](FMoments& d, const FMoments& o) { d.merge(o); });
-  if (active && j == 0) {
-    const FMoments t = sm.red[c];
-    const float mean = t.mean(piv), var = t.var();
-    if (blockIdx.x == 0) {
-      mean_out[c] = mean;
-      var_out[c] = var;
+// After the grid barrier, the channels' statistics by sum_channel, a warp a channel. In every
+// block alike (spread false: warp w takes channels w, w + 32, ...; block 0 writes mean and var),
+// so every block gets bit-identical coefficients into sm.coef; or spread over the grid (warp w of
+// block b takes channel b * 32 + w, and every G * 32 after it, and writes its mean, var and
+// coefficients to global memory), then a second grid barrier and every block loads the C
+// coefficients into sm.coef.
+template <class T>
+__device__ __forceinline__ void merge_sums(const T* __restrict__ x, const float* ws, const float* __restrict__ scale,
+                                           const float* __restrict__ bias, float* __restrict__ mean_out,
+                                           float* __restrict__ var_out, float4* coef_g, const Smem& sm, int C,
+                                           int64_t R, int64_t rpb, float eps, bool spread) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int first = spread ? blockIdx.x * kWarps + warp : warp, step = spread ? gridDim.x * kWarps : kWarps;
+  for (int ch = first; ch < C; ch += step) {  // warp-uniform
+    const float piv = pivot_of(to_acc(x[ch])), sc = scale[ch], bi = bias[ch];
+    float mean, var;
+    sum_channel(ws, ch, C, R, rpb, piv, mean, var);
+    if (lane == 0) {
+      if (spread || blockIdx.x == 0) {
+        mean_out[ch] = mean;
+        var_out[ch] = var;
+      }
+      const Coef<float> q = forward_coef<float>(sc, bi, mean, var, eps);
+      const float4 cq = make_float4(q.shift, q.a, q.b, 0.f);
+      if (spread)
+        coef_g[ch] = cq;
+      else
+        sm.coef[coef_at(ch)] = cq;
     }
-    const Coef<float> q = forward_coef<float>(sc, bi, mean, var, eps);
-    sm.coef[coef_at(c)] = make_float4(q.shift, q.a, q.b, 0.f);
+  }
+  if (spread) {  // grid-uniform
+    cooperative_groups::this_grid().sync();
+    for (int c = threadIdx.x; c < C; c += kThreads) sm.coef[coef_at(c)] = __ldcg(coef_g + c);
   }
   __syncthreads();
 }
@@ -254,7 +270,7 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
                         const T* __restrict__ res, T* __restrict__ y, uint32_t* __restrict__ mask,
                         float* __restrict__ mean_out, float* __restrict__ var_out, float* __restrict__ ws,
                         float4* __restrict__ coef_g, int64_t R, int C, int64_t rpb, int lanes, float eps, bool relu,
-                        bool with_mask, bool spread, int apply_warps, bool res_staged) {
+                        bool with_mask, int merge, int apply_warps, bool res_staged) {
   cuda::enter_kernel();
   const Smem sm = smem_layout(C);
   T* xs = reinterpret_cast<T*>(sm.data);
@@ -266,12 +282,18 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
   // (j, c): lanes threads per channel, thread j takes rows j, j + lanes, ...
   const int j = threadIdx.x / C, c = threadIdx.x - j * C;
   const bool active = j < lanes;
-  // The block's partial of channel ch for the merge: shifted sum, shifted mean, M2.
+  // The block's partial of channel ch for the merge: shifted sum, shifted mean (merge_spread only),
+  // M2 about it.
   const auto write_partial = [&](int ch, float sb, float mb, float m2) {
-    float* p = ws + blockIdx.x * 3 * int64_t(C) + ch;
-    p[0] = sb;
-    p[C] = mb;
-    p[2 * C] = m2;
+    if (merge == kMergeChanSpread) {  // merge_spread's (G, 3, C)
+      float* p = ws + blockIdx.x * 3 * int64_t(C) + ch;
+      p[0] = sb;
+      p[C] = mb;
+      p[2 * C] = m2;
+    } else {  // sum_channel's (2, C, G)
+      ws[int64_t(ch) * gridDim.x + blockIdx.x] = sb;
+      ws[int64_t(C + ch) * gridDim.x + blockIdx.x] = m2;
+    }
   };
   if constexpr (kVec) {
     const VecStats<T, P> vs(x, C);
@@ -339,13 +361,12 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
   }
   cooperative_groups::this_grid().sync();
 
-  const auto count = [&](int64_t bk) { return static_cast<float>(min(rpb, R - bk * rpb)); };
-  if (spread)  // grid-uniform
-    merge_spread(ws, mean_out, var_out, coef_g, sm, C, eps, count, [&](int ch) {
-      return make_float4(pivot_of(to_acc(x[ch])), scale[ch], bias[ch], 0.f);
-    });
+  if (merge == kMergeChanSpread)  // grid-uniform
+    merge_spread(ws, mean_out, var_out, coef_g, sm, C, eps,
+                 [&](int64_t bk) { return static_cast<float>(min(rpb, R - bk * rpb)); },
+                 [&](int ch) { return make_float4(pivot_of(to_acc(x[ch])), scale[ch], bias[ch], 0.f); });
   else
-    merge_partials(x, ws, scale, bias, mean_out, var_out, sm, C, lanes, eps, count);
+    merge_sums(x, ws, scale, bias, mean_out, var_out, coef_g, sm, C, R, rpb, eps, merge == kMergeSumsSpread);
 
   float sh[P], a[P], b[P];
   // Channels of the lane's elements on every chunk; C < P wraps within a pack.
@@ -434,10 +455,14 @@ cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void
   if (res_staged) smem = staged;
   const int64_t blocks = cuda::ceil_div(R, rpb);
   const int lanes = pow2_floor(static_cast<int>(kThreads / C));
-  // Every block folding all blocks' partials costs blocks / lanes dependent L2 round trips a
-  // thread; past kMaxMergeChain the merge spread over the grid (one more grid barrier) is cheaper.
-  bool spread = cuda::ceil_div(blocks, int64_t(lanes)) > kMaxMergeChain;
-  if (const int m = merge_mode()) spread = m == 2;
+  // The merge: every block summing all partials reads C * G * 8 bytes of them from L2 (C / 32
+  // channels a warp, one after another); past kMaxSumsEveryBlock channels the sums spread over
+  // the grid are cheaper (one more grid barrier). H100, session 68, bfloat16 BN+ReLU, merge phase
+  // (barrier to coefficients) every block / spread: C = 32 2.4 / 3.3 us (16.0 / 16.8 us the
+  // kernel), C = 64 3.8 / 3.3 (14.3 / 13.9), C = 128 6.1 / 3.3, C = 256 11.0 / 3.2.
+  int merge = C <= kMaxSumsEveryBlock ? kMergeSums : kMergeSumsSpread;
+  if (const int m = merge_mode()) merge = m == 1 ? kMergeSums : m == 2 ? kMergeSumsSpread : kMergeChanSpread;
+  if (blocks > 32 * kSumHeld) merge = kMergeChanSpread;
   // A generic lambda, so that `if constexpr` drops the float64 instantiation.
   auto go = [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
@@ -450,7 +475,7 @@ cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void
       float ef = static_cast<float>(eps);
       bool re = relu, with_mask = v.mask_words > 0;
       void* args[] = {&x,    &scale, &bias, &residual, &y,  &mask, &mean,      &var,  &ws,
-                      &coef, &rows,  &ci,   &rpb,      &li, &ef,   &re,   &with_mask, &spread, &apply_warps,
+                      &coef, &rows,  &ci,   &rpb,      &li, &ef,   &re,   &with_mask, &merge, &apply_warps,
                       &res_staged};
       return launch_resident(kernel, blocks, smem, dev, stream, args, launched);
     }

@@ -131,10 +131,10 @@ __device__ __forceinline__ void column_totals(V (&acc)[P], int C, V* red, Add ad
 // tree over j; thread j = 0 writes the channel's mean, var and coefficients (params(c): {pivot,
 // scale, bias}, fetched before the partials so the latencies overlap) to mean_out, var_out and
 // coef_g. A second grid barrier, then every block loads the C coefficients into sm.coef. The
-// alternative, every block folding all partials itself (bn_resident.cu's merge_partials), takes
-// C / lanes of them one after another a thread: at C = 256, 33 dependent L2 round trips (H100,
-// session 24: 5 us for this whole merge in bn_hybrid.cu, both barriers included). The order of
-// the merges depends only on the grid size.
+// alternative, every block folding all partials itself by Chan merges (bn_resident.cu until
+// session 67, which sums them instead), took C / lanes of them one after another a thread: at
+// C = 256, 33 dependent L2 round trips (H100, session 24: 5 us for this whole merge in
+// bn_hybrid.cu, both barriers included). The order of the merges depends only on the grid size.
 template <class Count, class Params>
 __device__ __forceinline__ void merge_spread(const float* ws, float* __restrict__ mean_out,
                                              float* __restrict__ var_out, float4* coef_g, const Smem& sm, int C,

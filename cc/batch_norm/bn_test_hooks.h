@@ -31,15 +31,17 @@ inline bool resident_path_disabled() {
   return off;
 }
 
-// JAXOPS_BN_MERGE=all or =spread (read once per process) forces the resident forward's merge of
-// the blocks' partials (bn_resident.cu): every block folding all of them, or the merge spread over
-// the grid; unset, the launcher picks by shape. Returns 0 (unset), 1 (all) or 2 (spread).
+// JAXOPS_BN_MERGE=all, =spread or =chan (read once per process) forces the resident forward's
+// merge of the blocks' partials (bn_resident.cu): every block summing all of them, the sums spread
+// over the grid, or the Chan merge spread over the grid (what grids past 160 blocks take); unset,
+// the launcher picks by shape. Returns 0 (unset), 1 (all), 2 (spread) or 3 (chan).
 inline int merge_mode() {
   static const int mode = [] {
     const char* e = std::getenv("JAXOPS_BN_MERGE");
     if (e == nullptr) return 0;
     if (std::strcmp(e, "all") == 0) return 1;
     if (std::strcmp(e, "spread") == 0) return 2;
+    if (std::strcmp(e, "chan") == 0) return 3;
     return 0;
   }();
   return mode;
