@@ -17,7 +17,7 @@ import jax
 
 from jaxops._ffi import device_plan
 from jaxops.bench.case import Case, Options
-from jaxops.bench.timing import allocator_warning, clock_name, copy_bandwidth, time_fn
+from jaxops.bench.timing import allocator_warning, clock_name, copy_bandwidth, copy_reference_bytes, time_fn
 
 FAMILIES = ("softmax", "layer_norm", "normalization", "reductions", "knn")
 
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     copies = args.copies or (2 if gpu else 1)
     inner = args.inner or (8 if gpu else 2)
     largest = max(c.bytes for c in cases)
-    copy_bw = copy_bandwidth(min(max(largest // 2, 1 << 20), 1 << 30), copies, repeats, inner)
+    copy_bw = copy_bandwidth(copy_reference_bytes(largest, gpu), copies, repeats, inner)
     device = str(jax.devices()[0].device_kind)
     plans = device_plan() if gpu else None
     label = device if plans is None else (

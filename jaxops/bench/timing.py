@@ -70,6 +70,20 @@ def clock_name() -> str:
     return "device (CUPTI kernel spans)" if device_clock.available() else "wall"
 
 
+# The GPU copy reference reads at least this many bytes, whatever the run's cases: a copy of a
+# few tens of MB pays its launch gaps and tail over little work (H100, session 68: 2.77 TB/s at
+# half of (64,28,28,128) bfloat16's bytes, 3.03 at half of (256,56,56,64) float32's, same machine),
+# which inflated every fraction of copy of a run of small cases by ~9 %.
+GPU_COPY_MIN_BYTES = 1 << 28
+COPY_MAX_BYTES = 1 << 30
+
+
+def copy_reference_bytes(largest_case_bytes: int, gpu: bool) -> int:
+    """Array size for copy_bandwidth: half the largest case's bytes, filling the chip on a GPU."""
+    floor = GPU_COPY_MIN_BYTES if gpu else 1 << 20
+    return min(max(largest_case_bytes // 2, floor), COPY_MAX_BYTES)
+
+
 def copy_bandwidth(nbytes: int, copies: int, repeats: int, inner: int = 1) -> float:
     """Bytes per second of a device-to-device copy (read + write) of an nbytes float32 array."""
     n = max(nbytes // 4, 1)
