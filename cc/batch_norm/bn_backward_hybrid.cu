@@ -217,8 +217,7 @@ __device__ __forceinline__ void merge_grad_spread(const float* ws, const float* 
       coef_g[c] = make_float4(q.shift, q.a, q.b, q.c);
     }
   }
-  cooperative_groups::this_grid().sync();
-  for (int c = threadIdx.x; c < C; c += kThreads) sm.coef[coef_at(c)] = __ldcg(coef_g + c);
+  share_coefficients(coef_g, sm, C);
   __syncthreads();
 }
 

@@ -175,25 +175,24 @@ __device__ __forceinline__ void sum_channel(const float* ws, int ch, int C, int6
 // block alike (spread false: warp w takes channels w, w + 32, ...; block 0 writes mean and var),
 // so every block gets bit-identical coefficients into sm.coef; or spread over the grid (warp w of
 // block b takes channel b * 32 + w, and every G * 32 after it, and writes its mean, var and
-// coefficients to global memory), then a second grid barrier and every block loads the C
-// coefficients into sm.coef.
-template <class T>
-__device__ __forceinline__ void merge_sums(const T* __restrict__ x, const float* ws, const float* __restrict__ scale,
-                                           const float* __restrict__ bias, float* __restrict__ mean_out,
-                                           float* __restrict__ var_out, float4* coef_g, const Smem& sm, int C,
-                                           int64_t R, int64_t rpb, float eps, bool spread) {
+// coefficients to global memory), then share_coefficients. params(ch): {pivot, scale, bias}, as
+// merge_spread's.
+template <class Params>
+__device__ __forceinline__ void merge_sums(const float* ws, float* __restrict__ mean_out, float* __restrict__ var_out,
+                                           float4* coef_g, const Smem& sm, int C, int64_t R, int64_t rpb, float eps,
+                                           bool spread, Params params) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int first = spread ? blockIdx.x * kWarps + warp : warp, step = spread ? gridDim.x * kWarps : kWarps;
   for (int ch = first; ch < C; ch += step) {  // warp-uniform
-    const float piv = pivot_of(to_acc(x[ch])), sc = scale[ch], bi = bias[ch];
+    const float4 in = params(ch);
     float mean, var;
-    sum_channel(ws, ch, C, R, rpb, piv, mean, var);
+    sum_channel(ws, ch, C, R, rpb, in.x, mean, var);
     if (lane == 0) {
       if (spread || blockIdx.x == 0) {
         mean_out[ch] = mean;
         var_out[ch] = var;
       }
-      const Coef<float> q = forward_coef<float>(sc, bi, mean, var, eps);
+      const Coef<float> q = forward_coef<float>(in.y, in.z, mean, var, eps);
       const float4 cq = make_float4(q.shift, q.a, q.b, 0.f);
       if (spread)
         coef_g[ch] = cq;
@@ -201,10 +200,7 @@ __device__ __forceinline__ void merge_sums(const T* __restrict__ x, const float*
         sm.coef[coef_at(ch)] = cq;
     }
   }
-  if (spread) {  // grid-uniform
-    cooperative_groups::this_grid().sync();
-    for (int c = threadIdx.x; c < C; c += kThreads) sm.coef[coef_at(c)] = __ldcg(coef_g + c);
-  }
+  if (spread) share_coefficients(coef_g, sm, C);  // grid-uniform
   __syncthreads();
 }
 
@@ -361,12 +357,13 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
   }
   cooperative_groups::this_grid().sync();
 
+  // {pivot, scale, bias} of channel ch for the merges.
+  const auto params = [&](int ch) { return make_float4(pivot_of(to_acc(x[ch])), scale[ch], bias[ch], 0.f); };
   if (merge == kMergeChanSpread)  // grid-uniform
     merge_spread(ws, mean_out, var_out, coef_g, sm, C, eps,
-                 [&](int64_t bk) { return static_cast<float>(min(rpb, R - bk * rpb)); },
-                 [&](int ch) { return make_float4(pivot_of(to_acc(x[ch])), scale[ch], bias[ch], 0.f); });
+                 [&](int64_t bk) { return static_cast<float>(min(rpb, R - bk * rpb)); }, params);
   else
-    merge_sums(x, ws, scale, bias, mean_out, var_out, coef_g, sm, C, R, rpb, eps, merge == kMergeSumsSpread);
+    merge_sums(ws, mean_out, var_out, coef_g, sm, C, R, rpb, eps, merge == kMergeSumsSpread, params);
 
   float sh[P], a[P], b[P];
   // Channels of the lane's elements on every chunk; C < P wraps within a pack.

@@ -125,6 +125,14 @@ __device__ __forceinline__ void column_totals(V (&acc)[P], int C, V* red, Add ad
   }
 }
 
+// After every channel's coefficients are in coef_g (written by whichever block computed them):
+// a grid barrier, then every block loads all C of them into sm.coef. Every thread of the grid
+// must call it, and a __syncthreads after it publishes sm.coef.
+__device__ __forceinline__ void share_coefficients(const float4* coef_g, const Smem& sm, int C) {
+  cooperative_groups::this_grid().sync();
+  for (int c = threadIdx.x; c < C; c += kThreads) sm.coef[coef_at(c)] = __ldcg(coef_g + c);
+}
+
 // The blocks' partials (ws: (G, 3, C) of shifted sum, shifted mean, M2; G = gridDim.x <= kThreads,
 // count(j) block j's rows) merged across the grid: block b merges the channels of rounds b, b + G,
 // ... (per channels a round): thread (j, cs) loads block j's partial of channel cs, then a fixed
@@ -165,8 +173,7 @@ __device__ __forceinline__ void merge_spread(const float* ws, float* __restrict_
       coef_g[c] = make_float4(q.shift, q.a, q.b, 0.f);
     }
   }
-  cooperative_groups::this_grid().sync();
-  for (int c = threadIdx.x; c < C; c += kThreads) sm.coef[coef_at(c)] = __ldcg(coef_g + c);
+  share_coefficients(coef_g, sm, C);
   __syncthreads();
 }
 
