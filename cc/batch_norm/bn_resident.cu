@@ -62,14 +62,21 @@ constexpr int kSumHeld = 5;
 // block or spread over the grid, or merge_spread (Chan merges) for grids past 32 * kSumHeld.
 constexpr int kMergeSums = 0, kMergeSumsSpread = 1, kMergeChanSpread = 2;
 
+// A block's M2 from its one pass (sum of squares about the pivot less n times the squared shifted
+// mean) is kept only where n * mean^2 <= kOnePassShift * M2 in every channel: the cancellation
+// then costs at most ~(1 + kOnePassShift) rounding errors of the sum of squares. Otherwise (the
+// pivot, row 0 of the whole input, far from this block's mean: a trend, an outlier first row, a
+// constant channel's rounding) the block makes the exact second pass about its mean.
+constexpr float kOnePassShift = 16.f;
+
 // Copies the n elements at src into shared memory: 16-byte packs, kLoadUnroll of them in flight
-// per thread, then the (last block's) tail element by element. kSum (the kVec layout, n whole
-// packs) also makes the first statistics pass while the packs are in registers: thread t's packs
-// t, t + kThreads, ... are VecStats' rows of column t % Q, in order, and x - piv[k] of each
-// pack's element k is added into acc[k].
-template <class T, int P, bool kSum>
+// per thread, then the (last block's) tail element by element. kStats >= 1 (the kVec layout, n
+// whole packs) also makes the first statistics pass while the packs are in registers: thread t's
+// packs t, t + kThreads, ... are VecStats' rows of column t % Q, in order, and d = x - piv[k] of
+// each pack's element k is added into acc[k]; kStats == 2 adds d * d into acq[k] too.
+template <class T, int P, int kStats>
 __device__ __forceinline__ void load_slice(const T* __restrict__ src, T* __restrict__ dst, int n,
-                                           const float (&piv)[P], float (&acc)[P]) {
+                                           const float (&piv)[P], float (&acc)[P], float (&acq)[P]) {
   const int packs = n / P;
   for (int p0 = threadIdx.x; p0 < packs; p0 += kThreads * kLoadUnroll) {
     uint4 w[kLoadUnroll];
@@ -83,11 +90,15 @@ __device__ __forceinline__ void load_slice(const T* __restrict__ src, T* __restr
       const int p = p0 + u * kThreads;
       if (p < packs) {
         reinterpret_cast<uint4*>(dst)[p] = w[u];
-        if constexpr (kSum) {
+        if constexpr (kStats > 0) {
           T v[P];
           memcpy(&v, &w[u], sizeof(v));
 #pragma unroll
-          for (int k = 0; k < P; ++k) acc[k] += to_acc(v[k]) - piv[k];
+          for (int k = 0; k < P; ++k) {
+            const float d = to_acc(v[k]) - piv[k];
+            acc[k] += d;
+            if constexpr (kStats == 2) acq[k] = fmaf(d, d, acq[k]);
+          }
         }
       }
     }
@@ -249,6 +260,33 @@ struct VecStats {
     });
     __syncthreads();
   }
+  // The one pass's totals: block_total's tot[ch] and tot[C + ch] from acc, and from the sums of
+  // squares acq the M2 estimate tot[2 * C + ch] = Q - S * mean (kOnePassShift). Both in one
+  // column_totals of pairs where its scratch holds them (C <= 64) and P = 4 (float32); else one
+  // after the other (16-bit P = 8: the pairs spilled 8 bytes under the 64-register cap).
+  __device__ __forceinline__ void block_total_squares(float (&acc)[P], float (&acq)[P], int C, float* redf,
+                                                      float* tot, int rows) const {
+    const float n = static_cast<float>(rows);
+    if (P < 8 && column_totals_fit<float2>(C)) {
+      float2 sq[P];
+#pragma unroll
+      for (int k = 0; k < P; ++k) sq[k] = make_float2(acc[k], acq[k]);
+      column_totals<P>(sq, C, reinterpret_cast<float2*>(redf),
+                       [](float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); },
+                       [&](int ch, float2 t) {
+                         const float m = t.x / n;
+                         tot[ch] = t.x;
+                         tot[C + ch] = m;
+                         tot[2 * C + ch] = fmaf(-t.x, m, t.y);
+                       });
+      __syncthreads();
+    } else {
+      block_total(acc, C, redf, tot, rows);
+      column_totals<P>(acq, C, redf, [](float a, float b) { return a + b; },
+                       [&](int ch, float t) { tot[2 * C + ch] = fmaf(-tot[ch], tot[C + ch], t); });
+      __syncthreads();
+    }
+  }
 };
 
 // Whether the kVec statistics apply: channels in whole 16-byte packs, Q a power of two <= 32,
@@ -266,7 +304,7 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
                         const T* __restrict__ res, T* __restrict__ y, uint32_t* __restrict__ mask,
                         float* __restrict__ mean_out, float* __restrict__ var_out, float* __restrict__ ws,
                         float4* __restrict__ coef_g, int64_t R, int C, int64_t rpb, int lanes, float eps, bool relu,
-                        bool with_mask, int merge, int apply_warps, bool res_staged) {
+                        bool with_mask, int merge, int apply_warps, bool res_staged, bool one_pass) {
   cuda::enter_kernel();
   const Smem sm = smem_layout(C);
   T* xs = reinterpret_cast<T*>(sm.data);
@@ -295,43 +333,73 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
     const VecStats<T, P> vs(x, C);
     float* redf = reinterpret_cast<float*>(sm.red);
     float* tot = reinterpret_cast<float*>(sm.coef);  // free until the coefficients are written
-    float acc[P];
+    float acc[P], acq[P];
 #pragma unroll
-    for (int k = 0; k < P; ++k) acc[k] = 0.f;
-    load_slice<T, P, true>(x + e0, xs, n, vs.piv, acc);
-    vs.block_total(acc, C, redf, tot, rows);  // its barriers also publish the slice
-    float mk[P];
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      mk[k] = tot[C + vs.pc * P + k];
-      acc[k] = 0.f;
+    for (int k = 0; k < P; ++k) acc[k] = acq[k] = 0.f;
+    bool exact = true;
+    if (one_pass) {  // grid-uniform
+      load_slice<T, P, 2>(x + e0, xs, n, vs.piv, acc, acq);
+      vs.block_total_squares(acc, acq, C, redf, tot, rows);  // its barriers also publish the slice
+      bool far = false;
+      if (static_cast<int>(threadIdx.x) < C) {
+        const float sb = tot[threadIdx.x], mb = tot[C + threadIdx.x], m2 = tot[2 * C + threadIdx.x];
+        far = !(sb * mb <= kOnePassShift * m2);  // NaN and inf included: the exact pass decides
+      }
+      exact = __syncthreads_or(far);
+    } else {
+      load_slice<T, P, 1>(x + e0, xs, n, vs.piv, acc, acq);
+      vs.block_total(acc, C, redf, tot, rows);  // its barriers also publish the slice
     }
-    vs.m2_sums(xs, rows, C, mk, acc);
-    vs.block_total(acc, C, redf, tot + 2 * C, 0);
+    if (exact) {  // block-uniform
+      float mk[P];
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        mk[k] = tot[C + vs.pc * P + k];
+        acc[k] = 0.f;
+      }
+      vs.m2_sums(xs, rows, C, mk, acc);
+      vs.block_total(acc, C, redf, tot + 2 * C, 0);
+    }
     if (static_cast<int>(threadIdx.x) < C)
       write_partial(threadIdx.x, tot[threadIdx.x], tot[C + threadIdx.x], tot[2 * C + threadIdx.x]);
   } else {
     const float piv = active ? pivot_of(to_acc(x[c])) : 0.f;  // issued before the slice's loads
     float none[P] = {};
-    load_slice<T, P, false>(x + e0, xs, n, none, none);
-    float s = 0.f;
+    load_slice<T, P, 0>(x + e0, xs, n, none, none, none);
+    float s = 0.f, q = 0.f;  // q: the one pass's sum of squares about the pivot (kOnePassShift)
     __syncthreads();
     if (active)
-      for (int r = j; r < rows; r += lanes) s += to_acc(xs[r * C + c]) - piv;
+      for (int r = j; r < rows; r += lanes) {
+        const float d = to_acc(xs[r * C + c]) - piv;
+        s += d;
+        q = fmaf(d, d, q);  // unused where one_pass is off
+      }
     sm.red[threadIdx.x].s = s;
-    fold_lanes(sm.red, j, c, C, lanes, [](FMoments& d, const FMoments& o) { d.s += o.s; });
+    sm.red[threadIdx.x].m2 = q;
+    fold_lanes(sm.red, j, c, C, lanes, [](FMoments& d, const FMoments& o) {
+      d.s += o.s;
+      d.m2 += o.m2;
+    });
     const float sb = active ? sm.red[c].s : 0.f;
     const float mb = sb / static_cast<float>(rows);
-    float m2 = 0.f;
-    if (active)
-      for (int r = j; r < rows; r += lanes) {
-        const float d = to_acc(xs[r * C + c]) - piv - mb;
-        m2 += d * d;
-      }
-    __syncthreads();  // every thread has read red[c].s
-    sm.red[threadIdx.x].m2 = m2;
-    fold_lanes(sm.red, j, c, C, lanes, [](FMoments& d, const FMoments& o) { d.m2 += o.m2; });
-    if (active && j == 0) write_partial(c, sb, mb, sm.red[c].m2);
+    const float m2_one = active ? fmaf(-sb, mb, sm.red[c].m2) : 0.f;
+    bool exact = true;
+    if (one_pass)  // grid-uniform; NaN and inf fail the test and take the exact pass
+      exact = __syncthreads_or(active && j == 0 && !(sb * mb <= kOnePassShift * m2_one));
+    if (exact) {  // block-uniform
+      float m2 = 0.f;
+      if (active)
+        for (int r = j; r < rows; r += lanes) {
+          const float d = to_acc(xs[r * C + c]) - piv - mb;
+          m2 += d * d;
+        }
+      __syncthreads();  // every thread has read red[c]
+      sm.red[threadIdx.x].m2 = m2;
+      fold_lanes(sm.red, j, c, C, lanes, [](FMoments& d, const FMoments& o) { d.m2 += o.m2; });
+      if (active && j == 0) write_partial(c, sb, mb, sm.red[c].m2);
+    } else if (active && j == 0) {
+      write_partial(c, sb, mb, m2_one);
+    }
   }
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   constexpr int kChunk = 32 * P;
@@ -460,6 +528,7 @@ cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void
   int merge = C <= kMaxSumsEveryBlock ? kMergeSums : kMergeSumsSpread;
   if (const int m = merge_mode()) merge = m == 1 ? kMergeSums : m == 2 ? kMergeSumsSpread : kMergeChanSpread;
   if (blocks > 32 * kSumHeld) merge = kMergeChanSpread;
+  bool one_pass = one_pass_mode() != 0;
   // A generic lambda, so that `if constexpr` drops the float64 instantiation.
   auto go = [&](auto tag) -> cudaError_t {
     using T = decltype(tag);
@@ -473,7 +542,7 @@ cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void
       bool re = relu, with_mask = v.mask_words > 0;
       void* args[] = {&x,    &scale, &bias, &residual, &y,  &mask, &mean,      &var,  &ws,
                       &coef, &rows,  &ci,   &rpb,      &li, &ef,   &re,   &with_mask, &merge, &apply_warps,
-                      &res_staged};
+                      &res_staged, &one_pass};
       return launch_resident(kernel, blocks, smem, dev, stream, args, launched);
     }
     return cudaSuccess;
