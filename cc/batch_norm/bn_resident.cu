@@ -69,6 +69,14 @@ constexpr int kMergeSums = 0, kMergeSumsSpread = 1, kMergeChanSpread = 2;
 // constant channel's rounding) the block makes the exact second pass about its mean.
 constexpr float kOnePassShift = 16.f;
 
+// The one pass's M2 of a channel: Q, the sum of squares about the pivot, less S * mean (S the
+// shifted sum, mean = S / n).
+__device__ __forceinline__ float one_pass_m2(float s, float mean, float q) { return fmaf(-s, mean, q); }
+
+// Whether that M2 may stand: n * mean^2 = S * mean <= kOnePassShift * M2. NaN and inf fail, so the
+// exact pass decides for them.
+__device__ __forceinline__ bool one_pass_holds(float s, float mean, float m2) { return s * mean <= kOnePassShift * m2; }
+
 // Copies the n elements at src into shared memory: 16-byte packs, kLoadUnroll of them in flight
 // per thread, then the (last block's) tail element by element. kStats >= 1 (the kVec layout, n
 // whole packs) also makes the first statistics pass while the packs are in registers: thread t's
@@ -261,7 +269,7 @@ struct VecStats {
     __syncthreads();
   }
   // The one pass's totals: block_total's tot[ch] and tot[C + ch] from acc, and from the sums of
-  // squares acq the M2 estimate tot[2 * C + ch] = Q - S * mean (kOnePassShift). Both in one
+  // squares acq the M2 estimate tot[2 * C + ch] (one_pass_m2). Both in one
   // column_totals of pairs where its scratch holds them (C <= 64) and P = 4 (float32); else one
   // after the other (16-bit P = 8: the pairs spilled 8 bytes under the 64-register cap).
   __device__ __forceinline__ void block_total_squares(float (&acc)[P], float (&acq)[P], int C, float* redf,
@@ -277,13 +285,13 @@ struct VecStats {
                          const float m = t.x / n;
                          tot[ch] = t.x;
                          tot[C + ch] = m;
-                         tot[2 * C + ch] = fmaf(-t.x, m, t.y);
+                         tot[2 * C + ch] = one_pass_m2(t.x, m, t.y);
                        });
       __syncthreads();
     } else {
       block_total(acc, C, redf, tot, rows);
       column_totals<P>(acq, C, redf, [](float a, float b) { return a + b; },
-                       [&](int ch, float t) { tot[2 * C + ch] = fmaf(-tot[ch], tot[C + ch], t); });
+                       [&](int ch, float t) { tot[2 * C + ch] = one_pass_m2(tot[ch], tot[C + ch], t); });
       __syncthreads();
     }
   }
@@ -343,7 +351,7 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
       bool far = false;
       if (static_cast<int>(threadIdx.x) < C) {
         const float sb = tot[threadIdx.x], mb = tot[C + threadIdx.x], m2 = tot[2 * C + threadIdx.x];
-        far = !(sb * mb <= kOnePassShift * m2);  // NaN and inf included: the exact pass decides
+        far = !one_pass_holds(sb, mb, m2);
       }
       exact = __syncthreads_or(far);
     } else {
@@ -382,10 +390,10 @@ resident_forward_kernel(const T* __restrict__ x, const float* __restrict__ scale
     });
     const float sb = active ? sm.red[c].s : 0.f;
     const float mb = sb / static_cast<float>(rows);
-    const float m2_one = active ? fmaf(-sb, mb, sm.red[c].m2) : 0.f;
+    const float m2_one = active ? one_pass_m2(sb, mb, sm.red[c].m2) : 0.f;
     bool exact = true;
-    if (one_pass)  // grid-uniform; NaN and inf fail the test and take the exact pass
-      exact = __syncthreads_or(active && j == 0 && !(sb * mb <= kOnePassShift * m2_one));
+    if (one_pass)  // grid-uniform
+      exact = __syncthreads_or(active && j == 0 && !one_pass_holds(sb, mb, m2_one));
     if (exact) {  // block-uniform
       float m2 = 0.f;
       if (active)
@@ -528,7 +536,7 @@ cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void
   int merge = C <= kMaxSumsEveryBlock ? kMergeSums : kMergeSumsSpread;
   if (const int m = merge_mode()) merge = m == 1 ? kMergeSums : m == 2 ? kMergeSumsSpread : kMergeChanSpread;
   if (blocks > 32 * kSumHeld) merge = kMergeChanSpread;
-  bool one_pass = one_pass_mode() != 0;
+  bool one_pass = !one_pass_disabled();
   // A generic lambda, so that `if constexpr` drops the float64 instantiation.
   auto go = [&](auto tag) -> cudaError_t {
     using T = decltype(tag);

@@ -62,13 +62,13 @@ inline int residual_stage_mode() {
 
 // JAXOPS_BN_ONEPASS=0 (read once per process) turns off the resident forward's one-pass block
 // statistics (bn_resident.cu, kOnePassShift): every block makes the exact second pass about its
-// mean, as all blocks whose pivot is far from their mean do anyway. Returns 0 (off) or 1.
-inline int one_pass_mode() {
-  static const int mode = [] {
+// mean, as all blocks whose pivot is far from their mean do anyway.
+inline bool one_pass_disabled() {
+  static const bool off = [] {
     const char* e = std::getenv("JAXOPS_BN_ONEPASS");
-    return e != nullptr && e[0] == '0' ? 0 : 1;
+    return e != nullptr && e[0] == '0';
   }();
-  return mode;
+  return off;
 }
 
 }  // namespace jaxops::batch_norm
