@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-machine session: build, test, sanitize and benchmark, logs under $OUT.
-#   tools/gpu_check.sh [build | stage[=DIR]] [test[=PYTEST_ARGS]] [sanitize[=PYTEST_ARGS]] [bench[=BENCH_ARGS]]
+#   tools/gpu_check.sh [build | stage[=DIR]] [test[=PYTEST_ARGS] | ptest[=LIMIT_S]] [sanitize[=PYTEST_ARGS]] [bench[=BENCH_ARGS]]
 # Each step's log is $OUT/<step>.log; a summary of every step's status goes to $OUT/summary.txt.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -42,35 +42,53 @@ step_test() {
   (cd /tmp && python -c "import jaxops, jax; print(jaxops.build_info(), jax.devices())" &&
    eval "python3 -m pytest -q -p no:cacheprovider ${1:-$root/tests}") >"$out/test.log" 2>&1
 }
-# Every test file in its own process at once (XLA compiles on the CPU cores in parallel);
-# memory is allocated on demand so the processes share the GPU. One combined log. The files named
-# in PTEST_SPLIT run as PTEST_SHARDS processes each (their collected tests dealt round-robin):
-# with one process a file, the longest files did not finish in 330 s (H100, session 68).
-# PTEST_FILES (a glob) narrows the files.
+# The whole suite (or PTEST_FILES, a glob) at once, memory allocated on demand so the processes
+# share the GPU; one combined log. By default every collected test of every file is dealt
+# round-robin over PTEST_POOL processes (default: the machine's cores), so the long files spread
+# over all of them: with a process a file (3 for the PTEST_SPLIT files) test_layer_norm,
+# test_softmax, test_sanitizer and the CPU files never finished in 330-400 s (H100, sessions 68
+# and 70), while test_softmax alone in 14 processes took 127 s and test_layer_norm in 15 took
+# 194 s (session 70). PTEST_POOL=0 restores a process a file, PTEST_SPLIT files in PTEST_SHARDS.
 step_ptest() {
-  local limit=${1:-420} shards=${PTEST_SHARDS:-3}
+  local limit=${1:-420} shards=${PTEST_SHARDS:-3} pool=${PTEST_POOL:-$(nproc)}
   local split=" ${PTEST_SPLIT:-test_batch_norm test_layer_norm test_softmax test_sanitizer test_reductions test_fuzz} "
   export XLA_PYTHON_CLIENT_ALLOCATOR=platform
   mkdir -p /tmp/ptest && rm -f /tmp/ptest/*
-  (cd /tmp && for f in ${PTEST_FILES:-"$root"/tests/test_*.py}; do
-     n=$(basename "$f" .py)
-     if [[ "$split" == *" $n "* ]] && [ "$shards" -gt 1 ]; then
-       python3 -m pytest -q -p no:cacheprovider --collect-only "$f" 2>/dev/null | grep "::" >/tmp/ptest/$n.ids
-       for ((k = 0; k < shards; k++)); do
-         mapfile -t ids < <(awk -v k=$k -v m=$shards 'NR % m == k' /tmp/ptest/$n.ids | sed "s|^[^:]*::|$f::|")
-         [ ${#ids[@]} -gt 0 ] && timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 \
-           "${ids[@]}" >/tmp/ptest/$n.$k.log 2>&1 &
-       done
-     else
-       timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 "$f" >/tmp/ptest/$n.log 2>&1 &
-     fi
-   done; wait)
+  # Test ids of file $1 with its absolute path, into /tmp/ptest/<name>.ids.
+  collect() {
+    python3 -m pytest -q -p no:cacheprovider --collect-only "$1" 2>/dev/null | grep "::" |
+      sed "s|^[^:]*::|$1::|" >/tmp/ptest/$(basename "$1" .py).ids
+  }
+  (cd /tmp && if [ "$pool" -gt 0 ]; then
+     for f in ${PTEST_FILES:-"$root"/tests/test_*.py}; do collect "$f" & done; wait
+     cat /tmp/ptest/*.ids >/tmp/ptest/all.idlist
+     for ((k = 0; k < pool; k++)); do
+       mapfile -t ids < <(awk -v k=$k -v m=$pool 'NR % m == k' /tmp/ptest/all.idlist)
+       [ ${#ids[@]} -gt 0 ] && timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 \
+         "${ids[@]}" >/tmp/ptest/pool.$k.log 2>&1 &
+     done
+   else
+     for f in ${PTEST_FILES:-"$root"/tests/test_*.py}; do
+       n=$(basename "$f" .py)
+       if [[ "$split" == *" $n "* ]] && [ "$shards" -gt 1 ]; then
+         collect "$f"
+         for ((k = 0; k < shards; k++)); do
+           mapfile -t ids < <(awk -v k=$k -v m=$shards 'NR % m == k' /tmp/ptest/$n.ids)
+           [ ${#ids[@]} -gt 0 ] && timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 \
+             "${ids[@]}" >/tmp/ptest/$n.$k.log 2>&1 &
+         done
+       else
+         timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 "$f" >/tmp/ptest/$n.log 2>&1 &
+       fi
+     done
+   fi; wait)
   local rc=0
   for log in /tmp/ptest/*.log; do
     echo "=== $(basename "$log")"
     grep -E "^FAILED|^ERROR|^E  |passed|failed|[0-9.]+s (call|setup)" "$log" | head -60
     tail -n 1 "$log" | grep -q " passed" && ! tail -n 1 "$log" | grep -qE "failed|error" || rc=1
   done >"$out/ptest.log"
+  [ "$pool" -gt 0 ] && echo "$(wc -l </tmp/ptest/all.idlist) tests dealt over $pool processes" >>"$out/ptest.log"
   for log in /tmp/ptest/*.log; do echo "=== $log"; cat "$log"; done >/tmp/ptest_full.log
   return $rc
 }
