@@ -60,8 +60,21 @@ step_ptest() {
       sed "s|^[^:]*::|$1::|" >/tmp/ptest/$(basename "$1" .py).ids
   }
   (cd /tmp && if [ "$pool" -gt 0 ]; then
-     for f in ${PTEST_FILES:-"$root"/tests/test_*.py}; do collect "$f" & done; wait
-     cat /tmp/ptest/*.ids >/tmp/ptest/all.idlist
+     collecting=()
+     for f in ${PTEST_FILES:-"$root"/tests/test_*.py}; do
+       # A module- or session-scoped fixture (test_cuda_graphs' three smoke runs, test_sharding's
+       # child process) would run again in every process its tests were dealt to: such a file
+       # runs whole in a process of its own.
+       if grep -qE 'scope="(module|session)"' "$f"; then
+         timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 "$f" \
+           >/tmp/ptest/$(basename "$f" .py).log 2>&1 &
+       else
+         collect "$f" &
+         collecting+=($!)
+       fi
+     done
+     [ ${#collecting[@]} -gt 0 ] && wait "${collecting[@]}"
+     cat /tmp/ptest/*.ids >/tmp/ptest/all.idlist 2>/dev/null
      for ((k = 0; k < pool; k++)); do
        mapfile -t ids < <(awk -v k=$k -v m=$pool 'NR % m == k' /tmp/ptest/all.idlist)
        [ ${#ids[@]} -gt 0 ] && timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 \
