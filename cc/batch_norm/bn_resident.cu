@@ -522,9 +522,10 @@ cudaError_t resident_forward_cuda(cudaStream_t stream, const View& v, const void
   // (32,28,28,128) 17.2 -> 17.9, (16,28,28,256) 15.6 -> 16.4 (session 65 run 4); 12-24 KB
   // (8,56,56,32) lose 0.2-0.4 (session 64).
   const size_t staged = smem + slice_bytes;
-  const int stage_hook = residual_stage_mode();
+  const HookMode stage_hook = residual_stage_mode();
   bool res_staged = residual != nullptr && staged <= static_cast<size_t>(dev.max_smem_optin) &&
-                    (stage_hook >= 0 ? stage_hook == 1 : slice_bytes >= kStageResidualBytes);
+                    (stage_hook != HookMode::kAuto ? stage_hook == HookMode::kAlways
+                                                   : slice_bytes >= kStageResidualBytes);
   if (res_staged) smem = staged;
   const int64_t blocks = cuda::ceil_div(R, rpb);
   const int lanes = pow2_floor(static_cast<int>(kThreads / C));

@@ -10,13 +10,12 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/hook_mode.h"
+
 namespace jaxops::batch_norm {
 
 inline bool force_element_loads() {
-  static const bool on = [] {
-    const char* e = std::getenv("JAXOPS_BN_ELEMENT_LOADS");
-    return e != nullptr && e[0] != '\0' && e[0] != '0';
-  }();
+  static const bool on = hook_mode("JAXOPS_BN_ELEMENT_LOADS") == HookMode::kAlways;
   return on;
 }
 
@@ -24,10 +23,7 @@ inline bool force_element_loads() {
 // (bn_resident.cu, bn_hybrid.cu), so tests and benchmarks can run the streaming kernels on
 // those shapes too.
 inline bool resident_path_disabled() {
-  static const bool off = [] {
-    const char* e = std::getenv("JAXOPS_BN_RESIDENT");
-    return e != nullptr && e[0] == '0';
-  }();
+  static const bool off = hook_mode("JAXOPS_BN_RESIDENT") == HookMode::kNever;
   return off;
 }
 
@@ -49,14 +45,10 @@ inline int merge_mode() {
 
 // JAXOPS_BN_RESIDUAL_SMEM=0 or =1 (read once per process) forces the resident forward's staging
 // of the residual slice in shared memory (bn_resident.cu) off, or on wherever it fits; unset, the
-// launcher picks by slice size. Returns -1 (unset), 0 (off) or 1 (on). Staging moves where the
-// residual is read from, not the arithmetic: results are bit-identical either way.
-inline int residual_stage_mode() {
-  static const int mode = [] {
-    const char* e = std::getenv("JAXOPS_BN_RESIDUAL_SMEM");
-    if (e == nullptr || e[0] == '\0') return -1;
-    return e[0] == '0' ? 0 : 1;
-  }();
+// launcher picks by slice size (kAuto). Staging moves where the residual is read from, not the
+// arithmetic: results are bit-identical either way.
+inline HookMode residual_stage_mode() {
+  static const HookMode mode = hook_mode("JAXOPS_BN_RESIDUAL_SMEM");
   return mode;
 }
 
@@ -64,10 +56,7 @@ inline int residual_stage_mode() {
 // statistics (bn_resident.cu, kOnePassShift): every block makes the exact second pass about its
 // mean, as all blocks whose pivot is far from their mean do anyway.
 inline bool one_pass_disabled() {
-  static const bool off = [] {
-    const char* e = std::getenv("JAXOPS_BN_ONEPASS");
-    return e != nullptr && e[0] == '0';
-  }();
+  static const bool off = hook_mode("JAXOPS_BN_ONEPASS") == HookMode::kNever;
   return off;
 }
 

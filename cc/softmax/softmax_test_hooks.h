@@ -1,24 +1,17 @@
 // Test hooks of the softmax CUDA launchers.
 #pragma once
-#include <cstdlib>
+#include "common/hook_mode.h"
 
 namespace jaxops::softmax {
 
-enum class WindowMode { kAuto, kAlways, kNever };
-
-// A hook's mode from its variable: unset or empty kAuto, "0..." kNever, anything else kAlways.
-inline WindowMode mode_from_env(const char* name) {
-  const char* e = std::getenv(name);
-  if (e == nullptr || e[0] == '\0') return WindowMode::kAuto;
-  return e[0] == '0' ? WindowMode::kNever : WindowMode::kAlways;
-}
+using WindowMode = HookMode;
 
 // JAXOPS_SOFTMAX_WINDOW (read once per process) overrides which rows that are not whole 16-byte
 // packs read through their aligned windows (softmax_window.cuh): 0 none (element loads), 1
 // every row the window kernels can take; unset, the launcher's measured rule. Benchmarks
 // measure the kernels against each other on the same shapes with it.
 inline WindowMode window_mode() {
-  static const WindowMode mode = mode_from_env("JAXOPS_SOFTMAX_WINDOW");
+  static const WindowMode mode = hook_mode("JAXOPS_SOFTMAX_WINDOW");
   return mode;
 }
 
@@ -26,7 +19,7 @@ inline WindowMode window_mode() {
 // packs are staged in shared memory by tiles of rows (softmax_tiled.cuh): 0 none (the window or
 // element warp kernels), 1 every row the tiled kernels hold; unset, the launcher's rule.
 inline WindowMode tiled_mode() {
-  static const WindowMode mode = mode_from_env("JAXOPS_SOFTMAX_TILED");
+  static const WindowMode mode = hook_mode("JAXOPS_SOFTMAX_TILED");
   return mode;
 }
 
