@@ -21,8 +21,9 @@ def exact_sq_dists(q, r):
     if q.shape[0] * r.shape[0] * max(q.shape[1], 1) <= 4_000_000:
         with np.errstate(invalid="ignore", over="ignore"):
             d = ((q[:, None, :] - r[None, :, :]) ** 2).sum(-1)
-    else:  # exact enough in float64 for float32 data
-        d = (q * q).sum(1)[:, None] + (r * r).sum(1)[None, :] - 2 * q @ r.T
+    else:  # exact enough in float64 for float32 data; non-finite rows are replaced below
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = (q * q).sum(1)[:, None] + (r * r).sum(1)[None, :] - 2 * q @ r.T
         d = np.maximum(d, 0)
     # Rows with inf/NaN features follow the GEMM expansion jaxops documents: inf - inf = NaN.
     bad_q = ~np.isfinite(q).all(1)
