@@ -49,9 +49,11 @@ step_test() {
 # test_softmax, test_sanitizer and the CPU files never finished in 330-400 s (H100, sessions 68
 # and 70), while test_softmax alone in 14 processes took 127 s and test_layer_norm in 15 took
 # 194 s (session 70). PTEST_POOL=0 restores a process a file, PTEST_SPLIT files in PTEST_SHARDS.
+# The PTEST_OWN files' tests (default test_sanitizer's two) each get a process of their own.
 step_ptest() {
   local limit=${1:-420} shards=${PTEST_SHARDS:-3} pool=${PTEST_POOL:-$(nproc)}
   local split=" ${PTEST_SPLIT:-test_batch_norm test_layer_norm test_softmax test_sanitizer test_reductions test_fuzz} "
+  local own=" ${PTEST_OWN:-test_sanitizer} "
   export XLA_PYTHON_CLIENT_ALLOCATOR=platform
   mkdir -p /tmp/ptest && rm -f /tmp/ptest/*
   # Test ids of file $1 with its absolute path, into /tmp/ptest/<name>.ids.
@@ -68,6 +70,17 @@ step_ptest() {
        if grep -qE 'scope="(module|session)"' "$f"; then
          timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 "$f" \
            >/tmp/ptest/$(basename "$f" .py).log 2>&1 &
+       elif [[ "$own" == *" $(basename "$f" .py) "* ]]; then
+         # Minutes-long tests (compute-sanitizer over every op): each starts at once in a process
+         # of its own; dealt into a pool, session 71's two ran last and were cut by the cap.
+         collect "$f"
+         n=$(basename "$f" .py) k=0
+         while read -r id; do
+           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 "$id" \
+             >/tmp/ptest/$n.$k.log 2>&1 &
+           k=$((k + 1))
+         done </tmp/ptest/$n.ids
+         rm /tmp/ptest/$n.ids
        else
          collect "$f" &
          collecting+=($!)
@@ -98,7 +111,7 @@ step_ptest() {
   local rc=0
   for log in /tmp/ptest/*.log; do
     echo "=== $(basename "$log")"
-    grep -E "^FAILED|^ERROR|^E  |passed|failed|[0-9.]+s (call|setup)" "$log" | head -60
+    grep -E "^FAILED|^ERROR|^E  |passed|failed|skipped in|[0-9.]+s (call|setup)" "$log" | head -60
     tail -n 1 "$log" | grep -qE " (passed|skipped)" && ! tail -n 1 "$log" | grep -qE "failed|error" || rc=1
   done >"$out/ptest.log"
   [ "$pool" -gt 0 ] && echo "$(cat /tmp/ptest/all.idlist 2>/dev/null | wc -l) tests dealt over $pool processes" >>"$out/ptest.log"
