@@ -49,7 +49,8 @@ step_test() {
 # test_softmax, test_sanitizer and the CPU files never finished in 330-400 s (H100, sessions 68
 # and 70), while test_softmax alone in 14 processes took 127 s and test_layer_norm in 15 took
 # 194 s (session 70). PTEST_POOL=0 restores a process a file, PTEST_SPLIT files in PTEST_SHARDS.
-# The PTEST_OWN files' tests (default test_sanitizer's two) each get a process of their own.
+# The PTEST_OWN files' tests (default test_sanitizer's, one per tool and op group) each get a
+# process of their own, started at once.
 step_ptest() {
   local limit=${1:-420} shards=${PTEST_SHARDS:-3} pool=${PTEST_POOL:-$(nproc)}
   local split=" ${PTEST_SPLIT:-test_batch_norm test_layer_norm test_softmax test_sanitizer test_reductions test_fuzz} "
@@ -71,8 +72,8 @@ step_ptest() {
          timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 "$f" \
            >/tmp/ptest/$(basename "$f" .py).log 2>&1 &
        elif [[ "$own" == *" $(basename "$f" .py) "* ]]; then
-         # Minutes-long tests (compute-sanitizer over every op): each starts at once in a process
-         # of its own; dealt into a pool, session 71's two ran last and were cut by the cap.
+         # Minutes-long tests (compute-sanitizer over a group of ops): each starts at once in a
+         # process of its own; dealt into pools, session 71's ran last there and were cut by the cap.
          collect "$f"
          n=$(basename "$f" .py) k=0
          while read -r id; do
