@@ -124,8 +124,10 @@ step_sanitize() {
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   (cd /tmp && for tool in memcheck racecheck; do
      echo "== $tool"
+     # bash -c, not eval: the sanitizer launches a program (its children followed), and eval is a
+     # shell builtin it cannot exec.
      compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
-       eval "python3 -m pytest -q -x -p no:cacheprovider $args" || exit $?
+       bash -c "python3 -m pytest -q -x -p no:cacheprovider $args" || exit $?
    done) >"$out/sanitize.log" 2>&1
 }
 step_bench() {
