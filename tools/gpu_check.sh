@@ -62,25 +62,35 @@ step_ptest() {
     python3 -m pytest -q -p no:cacheprovider --collect-only "$1" 2>/dev/null | grep "::" |
       sed "s|^[^:]*::|$1::|" >/tmp/ptest/$(basename "$1" .py).ids
   }
+  # pytest over the files or test ids after $1, in the background, its output into log $1.
+  launch() {
+    local log=$1
+    shift
+    timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 "$@" >"$log" 2>&1 &
+  }
+  # The test ids in file $1 dealt round-robin over $2 processes, logs /tmp/ptest/$3.<k>.log.
+  deal() {
+    local k
+    local -a ids
+    for ((k = 0; k < $2; k++)); do
+      mapfile -t ids < <(awk -v k=$k -v m=$2 'NR % m == k' "$1")
+      [ ${#ids[@]} -gt 0 ] && launch /tmp/ptest/$3.$k.log "${ids[@]}"
+    done
+  }
   (cd /tmp && if [ "$pool" -gt 0 ]; then
      collecting=()
      for f in ${PTEST_FILES:-"$root"/tests/test_*.py}; do
+       n=$(basename "$f" .py)
        # A module- or session-scoped fixture (test_cuda_graphs' three smoke runs, test_sharding's
        # child process) would run again in every process its tests were dealt to: such a file
        # runs whole in a process of its own.
        if grep -qE 'scope="(module|session)"' "$f"; then
-         timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 "$f" \
-           >/tmp/ptest/$(basename "$f" .py).log 2>&1 &
-       elif [[ "$own" == *" $(basename "$f" .py) "* ]]; then
+         launch /tmp/ptest/$n.log "$f"
+       elif [[ "$own" == *" $n "* ]]; then
          # Minutes-long tests (compute-sanitizer over a group of ops): each starts at once in a
          # process of its own; dealt into pools, session 71's ran last there and were cut by the cap.
          collect "$f"
-         n=$(basename "$f" .py) k=0
-         while read -r id; do
-           timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 "$id" \
-             >/tmp/ptest/$n.$k.log 2>&1 &
-           k=$((k + 1))
-         done </tmp/ptest/$n.ids
+         deal /tmp/ptest/$n.ids "$(wc -l </tmp/ptest/$n.ids)" $n
          rm /tmp/ptest/$n.ids
        else
          collect "$f" &
@@ -89,23 +99,15 @@ step_ptest() {
      done
      [ ${#collecting[@]} -gt 0 ] && wait "${collecting[@]}"
      cat /tmp/ptest/*.ids >/tmp/ptest/all.idlist 2>/dev/null
-     for ((k = 0; k < pool; k++)); do
-       mapfile -t ids < <(awk -v k=$k -v m=$pool 'NR % m == k' /tmp/ptest/all.idlist)
-       [ ${#ids[@]} -gt 0 ] && timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 \
-         "${ids[@]}" >/tmp/ptest/pool.$k.log 2>&1 &
-     done
+     deal /tmp/ptest/all.idlist "$pool" pool
    else
      for f in ${PTEST_FILES:-"$root"/tests/test_*.py}; do
        n=$(basename "$f" .py)
        if [[ "$split" == *" $n "* ]] && [ "$shards" -gt 1 ]; then
          collect "$f"
-         for ((k = 0; k < shards; k++)); do
-           mapfile -t ids < <(awk -v k=$k -v m=$shards 'NR % m == k' /tmp/ptest/$n.ids)
-           [ ${#ids[@]} -gt 0 ] && timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 \
-             "${ids[@]}" >/tmp/ptest/$n.$k.log 2>&1 &
-         done
+         deal /tmp/ptest/$n.ids "$shards" $n
        else
-         timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf --durations=5 "$f" >/tmp/ptest/$n.log 2>&1 &
+         launch /tmp/ptest/$n.log "$f"
        fi
      done
    fi; wait)
