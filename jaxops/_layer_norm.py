@@ -41,8 +41,10 @@ def layer_norm(x: jax.typing.ArrayLike, scale: jax.typing.ArrayLike, bias: jax.t
     Args:
       x: float32, bfloat16, float16 or float64 array of rank >= 1 (statistics in float32, or
         float64 for float64 input).
-      scale: shape ``(x.shape[-1],)``, same dtype as ``x``.
-      bias: shape ``(x.shape[-1],)``, same dtype as ``x``.
+      scale: float array of shape ``(x.shape[-1],)``. Another dtype than ``x``'s (float32
+        parameters of a bfloat16 model) is cast to ``x``'s first, like flax's
+        ``LayerNorm(dtype=x.dtype)``; its gradient comes back in its own dtype.
+      bias: float array of shape ``(x.shape[-1],)``, cast like ``scale``.
       epsilon: non-negative Python float added to the variance.
 
     Returns:
@@ -67,7 +69,8 @@ def rms_norm(x: jax.typing.ArrayLike, scale: jax.typing.ArrayLike, *, epsilon: f
 
     Args:
       x: float32, bfloat16, float16 or float64 array of rank >= 1.
-      scale: shape ``(x.shape[-1],)``, same dtype as ``x``.
+      scale: float array of shape ``(x.shape[-1],)``, cast to ``x``'s dtype like
+        :func:`layer_norm`'s.
       epsilon: non-negative Python float added to the mean square.
 
     Returns:
@@ -97,12 +100,13 @@ def _check_x(fn: str, x) -> jax.Array:
 def _check_param(fn: str, name: str, p, x: jax.Array) -> jax.Array:
     p = jnp.asarray(p)
     check_float(fn, name, p)
-    if p.dtype != x.dtype:
-        raise TypeError(f"jaxops.{fn}: {name} must have x's dtype {x.dtype}, got {p.dtype}")
     if p.shape != (x.shape[-1],):
         raise ValueError(f"jaxops.{fn}: {name} must have shape {(x.shape[-1],)} (x.shape[-1],), "
                          f"got {p.shape}")
-    return p
+    # Mixed precision (float32 parameters, bfloat16 activations): the kernels read parameters in
+    # x's dtype, so cast here, as flax's LayerNorm(dtype=x.dtype) does; the cast's transpose
+    # returns the gradient in the parameter's own dtype.
+    return p if p.dtype == x.dtype else p.astype(x.dtype)
 
 
 def _check_epsilon(fn: str, epsilon) -> float:

@@ -300,6 +300,30 @@ def test_nested_vmap_and_vmap_of_grad(key):
         close(g, w, jnp.float32, 5.0)
 
 
+# ------------------------------------------------------------------- mixed-precision params
+
+@pytest.mark.parametrize("x_dtype,p_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float16, jnp.float32),
+                                             (jnp.float32, jnp.bfloat16)])
+def test_params_of_another_dtype_are_cast_to_x(x_dtype, p_dtype):
+    """float32 parameters of a bfloat16 model (flax's param_dtype): the same bits as parameters
+    cast to x's dtype by hand, and each parameter's gradient in its own dtype."""
+    k1, k2 = jax.random.split(jax.random.key(31))
+    x = normal(k1, (37, 200), x_dtype, scale=2.0) + jnp.asarray(0.5, x_dtype)
+    scale, bias = params(k2, 200, p_dtype)
+    cast = lambda p: p.astype(x_dtype)
+    np.testing.assert_array_equal(jax.jit(jaxops.layer_norm)(x, scale, bias),
+                                  jaxops.layer_norm(x, cast(scale), cast(bias)))
+    np.testing.assert_array_equal(jaxops.rms_norm(x, scale), jaxops.rms_norm(x, cast(scale)))
+    w = normal(jax.random.key(5), x.shape, jnp.float32)
+    loss_ln = lambda x, s, b: jnp.sum(jaxops.layer_norm(x, s, b).astype(jnp.float32) * w)
+    loss_rms = lambda x, s: jnp.sum(jaxops.rms_norm(x, s).astype(jnp.float32) * w)
+    got = jax.grad(loss_ln, (0, 1, 2))(x, scale, bias) + jax.grad(loss_rms, (0, 1))(x, scale)
+    want = jax.grad(loss_ln, (0, 1, 2))(x, cast(scale), cast(bias)) + jax.grad(loss_rms, (0, 1))(x, cast(scale))
+    for g, e, d in zip(got, want, (x_dtype, p_dtype, p_dtype, x_dtype, p_dtype)):
+        assert g.dtype == d, (g.dtype, d)
+        np.testing.assert_array_equal(g, e.astype(d))
+
+
 # ---------------------------------------------------------------------------- bad input
 
 def test_bad_input_raises_before_running():
@@ -309,8 +333,10 @@ def test_bad_input_raises_before_running():
         jaxops.layer_norm(x, jnp.ones((7,), jnp.float32), s)
     with pytest.raises(ValueError, match=r"jaxops.layer_norm: bias must have shape .*\(4, 8\)"):
         jaxops.layer_norm(x, s, jnp.ones((4, 8), jnp.float32))
-    with pytest.raises(TypeError, match=r"jaxops.rms_norm: scale must have x's dtype float32, got bfloat16"):
-        jaxops.rms_norm(x, s.astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match=r"jaxops.rms_norm: scale must be .*float.*int32"):
+        jaxops.rms_norm(x, jnp.ones((8,), jnp.int32))
+    with pytest.raises(ValueError, match=r"jaxops.rms_norm: scale must have shape \(8,\).*\(8, 1\)"):
+        jaxops.rms_norm(x, jnp.ones((8, 1), jnp.bfloat16))
     with pytest.raises(TypeError, match=r"jaxops.layer_norm: x must be float.*int32"):
         jaxops.layer_norm(jnp.ones((4, 8), jnp.int32), s, s)
     with pytest.raises(ValueError, match=r"jaxops.rms_norm: x must have at least one dimension"):
