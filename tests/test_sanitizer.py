@@ -27,7 +27,9 @@ OP_GROUPS = {
     "layer_norm": ["layer_norm", "rms_norm"],
     "sum_mean_max_min": ["sum", "mean", "max", "min"],
     "logsumexp_arg": ["logsumexp", "argmax", "argmin"],
-    "knn": ["knn", "knn_classify"],
+    # One process each: memcheck of the pair ran past 185 s beside racecheck (session 73).
+    "knn": ["knn"],
+    "knn_classify": ["knn_classify"],
 }
 
 # What each tool prints when it found nothing (racecheck prints no "ERROR SUMMARY" line).
@@ -50,7 +52,11 @@ def test_op_groups_cover_every_public_op_once():
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_compute_sanitizer_is_clean(tool, group):
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    cmd = ["compute-sanitizer", "--tool", tool, "--error-exitcode", "9", "--print-limit", "20",
+    # Only jaxops's kernels are instrumented (their mangled names hold "jaxops"): XLA's fusions and
+    # cuBLAS's GEMM (knn's distances) are not our code, and checking them kept the knn and reduction
+    # groups past 440 s (session 73), while our kernels are what the test is for.
+    cmd = ["compute-sanitizer", "--tool", tool, "--kernel-name", "kns=jaxops",
+           "--error-exitcode", "9", "--print-limit", "20",
            sys.executable, os.path.join(ROOT, "tools", "smoke_test.py"), "--size", "gpu", "--no-reference",
            "--ops", *OP_GROUPS[group]]
     with tempfile.TemporaryDirectory() as cwd:  # outside the tree: only the installed jaxops
