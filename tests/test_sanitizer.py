@@ -46,6 +46,18 @@ def test_op_groups_cover_every_public_op_once():
         "OP_GROUPS must list every public op: add the new one to a group"
 
 
+def test_every_kernel_is_in_the_jaxops_namespace():
+    # The sanitizer checks only kernels whose mangled names hold "jaxops" (--kernel-name below);
+    # a kernel declared outside the namespace would silently go unchecked.
+    sources = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "cc")):
+        sources += [os.path.join(folder, f) for f in files if f.endswith((".cu", ".cuh"))]
+    with_kernels = [p for p in sources if "__global__" in open(p).read()]
+    assert with_kernels, "no __global__ found under cc/"
+    outside = [os.path.relpath(p, ROOT) for p in with_kernels if "namespace jaxops" not in open(p).read()]
+    assert not outside, f"kernels outside namespace jaxops (the sanitizer would skip them): {outside}"
+
+
 @gpu_only
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer is not on PATH")
 @pytest.mark.parametrize("group", sorted(OP_GROUPS))
