@@ -127,8 +127,8 @@ step_sanitize() {
   (cd /tmp && for tool in memcheck racecheck; do
      echo "== $tool"
      # bash -c, not eval: the sanitizer launches a program (its children followed), and eval is a
-     # shell builtin it cannot exec.
-     compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
+     # shell builtin it cannot exec. Only jaxops's kernels are checked, as in test_sanitizer.py.
+     compute-sanitizer --tool $tool --kernel-name kns=jaxops --error-exitcode 9 --print-limit 20 \
        bash -c "python3 -m pytest -q -x -p no:cacheprovider $args" || exit $?
    done) >"$out/sanitize.log" 2>&1
 }
