@@ -4,7 +4,9 @@ Runs tools/smoke_test.py (every public op, forward and gradient, at sizes that r
 multi-warp, block and cluster paths) under memcheck and racecheck in child processes and
 requires a clean report. The ops go in groups, one child process each: the whole sweep under
 one tool took longer than a device call (over 560 s on an H100, sessions 59-71), so no run
-finished it; a group is a test the runner can deal beside the others.
+finished it; a group is a test the runner can deal beside the others. Only jaxops's kernels are
+instrumented; a probe program (sanitizer_probe.cu) shows the filter catches an out-of-bounds read
+in a jaxops kernel and skips one elsewhere, and a CPU test keeps every kernel in the namespace.
 """
 import os
 import shutil
@@ -31,6 +33,11 @@ OP_GROUPS = {
     "knn": ["knn"],
     "knn_classify": ["knn_classify"],
 }
+
+# Only jaxops's kernels are instrumented (their mangled names hold "jaxops"): XLA's fusions and
+# cuBLAS's GEMM (knn's distances) are not our code, and checking them kept the knn and reduction
+# groups past 440 s (session 73), while our kernels are what the test is for.
+KERNEL_FILTER = ["--kernel-name", "kns=jaxops"]
 
 # What each tool prints when it found nothing (racecheck prints no "ERROR SUMMARY" line).
 CLEAN_SUMMARY = {
@@ -64,11 +71,7 @@ def test_every_kernel_is_in_the_jaxops_namespace():
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_compute_sanitizer_is_clean(tool, group):
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    # Only jaxops's kernels are instrumented (their mangled names hold "jaxops"): XLA's fusions and
-    # cuBLAS's GEMM (knn's distances) are not our code, and checking them kept the knn and reduction
-    # groups past 440 s (session 73), while our kernels are what the test is for.
-    cmd = ["compute-sanitizer", "--tool", tool, "--kernel-name", "kns=jaxops",
-           "--error-exitcode", "9", "--print-limit", "20",
+    cmd = ["compute-sanitizer", "--tool", tool, *KERNEL_FILTER, "--error-exitcode", "9", "--print-limit", "20",
            sys.executable, os.path.join(ROOT, "tools", "smoke_test.py"), "--size", "gpu", "--no-reference",
            "--ops", *OP_GROUPS[group]]
     with tempfile.TemporaryDirectory() as cwd:  # outside the tree: only the installed jaxops
@@ -79,3 +82,24 @@ def test_compute_sanitizer_is_clean(tool, group):
     for op in OP_GROUPS[group]:  # each op of the group ran to its end
         assert any(line.startswith("ok") and line.split()[1] == op for line in report.splitlines()), \
             f"{op} did not report ok:\n{report[-4000:]}"
+
+
+@gpu_only
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None or shutil.which("nvcc") is None,
+                    reason="compute-sanitizer or nvcc is not on PATH")
+def test_kernel_filter_checks_jaxops_kernels_and_skips_others(tmp_path):
+    # Without this control a filter that matched nothing would pass every test above.
+    probe = str(tmp_path / "probe")
+    build = subprocess.run(["nvcc", "-o", probe, os.path.join(ROOT, "tests", "sanitizer_probe.cu")],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stdout + build.stderr
+
+    def memcheck(which):
+        proc = subprocess.run(["compute-sanitizer", "--tool", "memcheck", *KERNEL_FILTER, "--error-exitcode", "9",
+                               probe, which], capture_output=True, text=True, timeout=300)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    rc, report = memcheck("inside")
+    assert rc == 9 and "Invalid __global__ read" in report and "probe_out_of_bounds" in report, report[-4000:]
+    rc, report = memcheck("outside")
+    assert rc == 0 and CLEAN_SUMMARY["memcheck"] in report, report[-4000:]
