@@ -56,12 +56,16 @@ def test_op_groups_cover_every_public_op_once():
 def test_every_kernel_is_in_the_jaxops_namespace():
     # The sanitizer checks only kernels whose mangled names hold "jaxops" (--kernel-name below);
     # a kernel declared outside the namespace would silently go unchecked.
-    sources = []
-    for folder, _, files in os.walk(os.path.join(ROOT, "cc")):
-        sources += [os.path.join(folder, f) for f in files if f.endswith((".cu", ".cuh"))]
-    with_kernels = [p for p in sources if "__global__" in open(p).read()]
+    import audit_cuda_graph_safety as audit  # tools/: the CUDA sources and their comment stripper
+
+    with_kernels = {}
+    for path in audit.cuda_sources(ROOT):
+        with open(path) as f:
+            code = audit._strip_comments(f.read())
+        if "__global__" in code:
+            with_kernels[os.path.relpath(path, ROOT)] = code
     assert with_kernels, "no __global__ found under cc/"
-    outside = [os.path.relpath(p, ROOT) for p in with_kernels if "namespace jaxops" not in open(p).read()]
+    outside = [rel for rel, code in with_kernels.items() if "namespace jaxops" not in code]
     assert not outside, f"kernels outside namespace jaxops (the sanitizer would skip them): {outside}"
 
 

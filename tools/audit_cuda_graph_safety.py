@@ -40,14 +40,18 @@ def _strip_comments(text: str) -> str:
     return re.sub(r"//[^\n]*", "", text)
 
 
+def cuda_sources(root: str = ROOT) -> list[str]:
+    """The CUDA-side sources under cc/: kernels (.cu, .cuh) and the CUDA handlers and headers."""
+    return sorted(set(glob.glob(os.path.join(root, "cc", "*", "*_cuda.cc")) +
+                      glob.glob(os.path.join(root, "cc", "*", "*.cu")) +
+                      glob.glob(os.path.join(root, "cc", "*", "*.cuh")) +
+                      glob.glob(os.path.join(root, "cc", "*", "*_cuda.h"))))
+
+
 def audit(root: str = ROOT) -> list[str]:
     """Offences as 'path:line: message'."""
     problems = []
-    files = sorted(set(glob.glob(os.path.join(root, "cc", "*", "*_cuda.cc")) +
-                       glob.glob(os.path.join(root, "cc", "*", "*.cu")) +
-                       glob.glob(os.path.join(root, "cc", "*", "*.cuh")) +
-                       glob.glob(os.path.join(root, "cc", "*", "*_cuda.h"))))
-    for path in files:
+    for path in cuda_sources(root):
         rel = os.path.relpath(path, root)
         with open(path) as f:
             text = _strip_comments(f.read())
