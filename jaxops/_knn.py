@@ -4,12 +4,12 @@ How it runs: distances come from the GEMM expansion ``||q||^2 + ||r||^2 - 2 q.r`
 references are cut into tiles; for each tile XLA's own dot computes ``q.r``, and one jaxops
 kernel fuses the rest of the epilogue with the k-selection of the tile and the merge into each
 query's running top-k list, carried across tiles by ``lax.scan``. The distance matrix is never
-materialised beyond one tile of 2^28 float32 distances (1 GB): XLA's temporaries are ~1.2 GB
-for float32/16-bit inputs with k <= 2048, ~3.3 GB for float64 inputs or k > 2048 (XLA-sort
-path), ~4.3 GB for both, plus a padded copy of the references when n is not a multiple of the
-tile width. So m = 10000 queries against n = 2^20 references fit easily on one GPU. When there
-are few queries the reference tiles are also split across independent lists (more parallelism
-on the GPU), merged at the end with one small sort.
+materialised beyond one tile of 2^28 float32 distances (1 GB; on the CPU 2^22, 16 MB, which
+stays in cache): on a GPU XLA's temporaries are ~1.2 GB for float32/16-bit inputs with k <= 2048,
+~3.3 GB for float64 inputs or k > 2048 (XLA-sort path), ~4.3 GB for both, plus a padded copy
+of the references when n is not a multiple of the tile width. So m = 10000 queries against n = 2^20 references fit easily on one GPU. When there
+are few queries the reference tiles are also split across independent lists (more parallelism:
+GPUs below 1024 queries, the CPU below 4), merged at the end with one small sort.
 
 On GPUs, large float32/16-bit searches run that scan on the tensor cores (one-pass TF32) as a
 *filter* only: it keeps a few more candidates than k by provable lower bounds of their
@@ -44,10 +44,20 @@ _MAX_KERNEL_K = 2048
 # (H100, session 6: 2^28 is ~2.5 % faster than 2^27 and ~8 % faster than 2^26; session 7:
 # 2^29 only ~1 % faster than 2^28 at twice the memory).
 _TILE_ELEMS = 1 << 28
+# The CPU's tiles: 2^22 distances (16 MB) stay in cache between the GEMM that writes them and
+# the twin that reads them (2 cores, jax 0.10: 1.1-2.2x faster than 2^28 at 2^24-2^26 distances;
+# 2^21 and 2^23 were 2-10 % slower).
+_CPU_TILE_ELEMS = 1 << 22
 _MIN_TILE_COLS = 1024
 # Below this many queries the GPU has too few rows to stream; split the references.
 _SPLIT_BELOW_ROWS = 1024
 _MIN_SPLIT_COLS = 4096
+# The CPU twin runs whole query rows on XLA's threads; below this many queries it splits the
+# references too (a fixed count, so that no result depends on the machine's core count). The
+# lists are merged by an XLA sort, ~200 ns an element there against ~11 ns an element of the
+# search itself (2 cores, jax 0.10), so each list keeps this many references per list element.
+_CPU_SPLIT_ROWS = 4
+_CPU_SPLIT_COLS_PER_K = 32
 _INT32_MAX = np.iinfo(np.int32).max
 
 
@@ -180,10 +190,9 @@ def _knn_jvp(k, precision, primals, tangents):
 
 def _plan(m: int, n: int, k: int, kernel: bool):
     """(splits, query tile, column tile, column tiles per split)."""
-    tile_elems = _TILE_ELEMS  # read on every call; the plan is a static argument of _search
-    splits = 1
-    if kernel and m < _SPLIT_BELOW_ROWS and n >= 2 * _MIN_SPLIT_COLS:
-        splits = max(1, min(-(-2 * _SPLIT_BELOW_ROWS // max(m, 1)), n // _MIN_SPLIT_COLS))
+    # Read on every call (tests shrink them); the plan is a static argument of _search.
+    tile_elems = _TILE_ELEMS if jax.default_backend() == "gpu" else min(_TILE_ELEMS, _CPU_TILE_ELEMS)
+    splits = _splits(m, n, k) if kernel else 1
     per_split = -(-n // splits)
     tm = m
     tn_max = max(_MIN_TILE_COLS, tile_elems // (splits * max(m, 1)))
@@ -200,6 +209,21 @@ def _plan(m: int, n: int, k: int, kernel: bool):
     tn = -(-tn // 128) * 128  # 16-byte aligned rows for the kernel's vector loads
     nt = -(-per_split // tn)
     return splits, tm, tn, nt
+
+
+def _splits(m: int, n: int, k: int) -> int:
+    """Independent lists each query's references are cut into, merged at the end by one sort:
+    enough (query, list) pairs to run in parallel. A GPU wants ~2048 row streams. On the CPU the
+    merge's sort costs ~20x the search per element, so it splits only a few queries, and only
+    where the sort stays small: on 2 cores, 64 x 16384 with k = 256 took 13.2 ms split 4 ways
+    (the GPU's plan), 3.2 ms unsplit; one query of 2^20 gained 12 % from 2 lists."""
+    if n < 2 * _MIN_SPLIT_COLS:
+        return 1
+    if jax.default_backend() == "gpu":
+        want = -(-2 * _SPLIT_BELOW_ROWS // max(m, 1)) if m < _SPLIT_BELOW_ROWS else 1
+        return max(1, min(want, n // _MIN_SPLIT_COLS))
+    want = -(-_CPU_SPLIT_ROWS // max(m, 1)) if m < _CPU_SPLIT_ROWS else 1
+    return max(1, min(want, n // _MIN_SPLIT_COLS, n // (_CPU_SPLIT_COLS_PER_K * k)))
 
 
 @partial(jax.jit, static_argnums=(2, 3, 4))

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import gpu_only
+from helpers import ON_GPU, gpu_only
 
 import jaxops
 from jaxops import _knn as knn_module
@@ -127,7 +127,7 @@ SHAPES = [  # (m, n, d, k): ones, k = n, odd sizes, k > 1024, k > 2048 (sort pat
     (33, 257, 17, 16),
     (130, 3001, 24, 64),
     (5, 9000, 6, 1500),
-    (3, 20000, 8, 100),     # few queries: references split across lists
+    (3, 20000, 8, 100),     # few queries: references split across lists (GPU; CPU: see below)
     (9, 2600, 5, 2600),     # k = n > 2048: XLA-sort merge path
 ]
 
@@ -156,17 +156,51 @@ def test_integer_features_exact_with_ties(key, dtype):
         check_knn(q, r, k, dists, idx, exact=True)
 
 
+@pytest.mark.parametrize("m,n,d,k", [(1, 20000, 8, 100), (3, 20000, 8, 100), (5, 30001, 6, 7)])
+def test_split_lists(key, monkeypatch, m, n, d, k):
+    """Few queries: each query's references split across independent lists, merged by a sort
+    (the CPU splits fewer queries than the GPU, so its threshold is raised here)."""
+    monkeypatch.setattr(knn_module, "_CPU_SPLIT_ROWS", 64)
+    assert knn_module._plan(m, n, k, True)[0] > 1
+    q, r = data(key, m, n, d)
+    dists, idx = jaxops.knn(q, r, k)
+    check_knn(q, r, k, dists, idx)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU's plan")
+def test_cpu_plan(key):
+    """The CPU splits only below 4 queries: elsewhere the merge's XLA sort costs more than the
+    split saves (2 cores, 64 x 16384, k = 256: 13.2 ms split 4 ways against 3.2 unsplit). Its
+    tiles hold 2^22 distances, which stay in cache (2^28: 1.1-2.2x slower)."""
+    plan = lambda m, n, k: knn_module._plan(m, n, k, True)  # noqa: E731
+    splits = lambda m, n, k: plan(m, n, k)[0]  # noqa: E731
+    assert splits(64, 16384, 256) == 1 and splits(4, 1 << 20, 10) == 1
+    assert splits(1, 1 << 20, 10) == 4 and splits(3, 1 << 20, 10) == 2
+    assert splits(1, 1 << 16, 512) == 4 and splits(1, 1 << 16, 1024) == 2  # the sort stays small
+    assert splits(1, 8191, 1) == 1  # too short to split
+    assert plan(1024, 65536, 16) == (1, 1024, 4096, 16)
+    assert plan(10000, 8192, 5) == (1, 3334, 1024, 8)
+    # The default CPU tiles, unpatched: two reference tiles, the second one padded.
+    m, n, k = 600, 9000, 20
+    assert plan(m, n, k) == (1, m, 4608, 2)
+    q, r = data(key, m, n, 8)
+    dists, idx = jaxops.knn(q, r, k)
+    check_knn(q, r, k, dists, idx)
+
+
 def test_tiled_paths(key, monkeypatch):
     """Tiny tiles force the scan over reference tiles, query tiles, splits and padding."""
     monkeypatch.setattr(knn_module, "_TILE_ELEMS", 1 << 14)
     monkeypatch.setattr(knn_module, "_MIN_TILE_COLS", 128)
     monkeypatch.setattr(knn_module, "_MIN_SPLIT_COLS", 256)
+    monkeypatch.setattr(knn_module, "_CPU_SPLIT_ROWS", 64)
     kq, kr = jax.random.split(key)
     for m, n, k in [(300, 1001, 5), (3, 5000, 40), (50, 777, 300)]:
         q, r = small_ints(kq, (m, 5)), small_ints(kr, (n, 5))
         dists, idx = jaxops.knn(q, r, k)
         check_knn(q, r, k, dists, idx, exact=True)
     assert knn_module._plan(300, 1001, 5, True)[3] > 1  # the scan really ran
+    assert knn_module._plan(3, 5000, 40, True)[0] > 1  # and the split lists
 
 
 def _tiles_with_nan_and_ties(key, m, n, d=5):
