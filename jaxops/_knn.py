@@ -37,17 +37,22 @@ from jaxops._sharding import Rule, in_batched_trace, sharded_call
 
 __all__ = ["knn", "knn_classify"]
 
-# The jaxops kernel handles k up to this; larger k merges tiles with an XLA sort instead
-# (correct on every platform, just slower).
+# The CUDA kernel handles k up to this (its lists live in shared memory); larger k merges tiles
+# with an XLA sort instead (correct on every platform, just slower). The CPU twin takes any k:
+# XLA:CPU's sort ran ~100x slower than the twin (1000 x 100000, k = 3000: 27 s).
 _MAX_KERNEL_K = 2048
+_CPU_MAX_KERNEL_K = np.iinfo(np.int32).max
 # Elements of one distance tile (float32): 2^28 = 1 GB of distances bounds the working set
 # (H100, session 6: 2^28 is ~2.5 % faster than 2^27 and ~8 % faster than 2^26; session 7:
 # 2^29 only ~1 % faster than 2^28 at twice the memory).
 _TILE_ELEMS = 1 << 28
 # The CPU's tiles: 2^22 distances (16 MB) stay in cache between the GEMM that writes them and
 # the twin that reads them (2 cores, jax 0.10: 1.1-2.2x faster than 2^28 at 2^24-2^26 distances;
-# 2^21 and 2^23 were 2-10 % slower).
+# 2^21 and 2^23 were 2-10 % slower). The twin sorts each row's k keys once a tile, so a tile
+# is at least 64 k columns wide, with fewer query rows (4096 x 65536, k = 1024: 4690 ms with
+# 1024-column tiles, 1138 with 8 k, 859 with 32 k, 789 with 64 k).
 _CPU_TILE_ELEMS = 1 << 22
+_CPU_TILE_COLS_PER_K = 64
 _MIN_TILE_COLS = 1024
 # Below this many queries the GPU has too few rows to stream; split the references.
 _SPLIT_BELOW_ROWS = 1024
@@ -191,17 +196,21 @@ def _knn_jvp(k, precision, primals, tangents):
 def _plan(m: int, n: int, k: int, kernel: bool):
     """(splits, query tile, column tile, column tiles per split)."""
     # Read on every call (tests shrink them); the plan is a static argument of _search.
-    tile_elems = _TILE_ELEMS if jax.default_backend() == "gpu" else min(_TILE_ELEMS, _CPU_TILE_ELEMS)
+    if jax.default_backend() == "gpu":
+        tile_elems, min_cols = _TILE_ELEMS, _MIN_TILE_COLS
+    else:
+        tile_elems = min(_TILE_ELEMS, _CPU_TILE_ELEMS)
+        min_cols = max(_MIN_TILE_COLS, _CPU_TILE_COLS_PER_K * k) if kernel else _MIN_TILE_COLS
     splits = _splits(m, n, k) if kernel else 1
     per_split = -(-n // splits)
     tm = m
-    tn_max = max(_MIN_TILE_COLS, tile_elems // (splits * max(m, 1)))
-    if splits * tm * _MIN_TILE_COLS > tile_elems:
+    tn_max = max(min_cols, tile_elems // (splits * max(m, 1)))
+    if splits * tm * min_cols > tile_elems:
         # Query tiles of equal size (fewest tiles of at most tm_max rows): padding m up to a
         # multiple of tm_max could waste up to a whole tile of GEMM and selection work.
-        tm_max = max(1, tile_elems // (splits * _MIN_TILE_COLS))
+        tm_max = max(1, tile_elems // (splits * min_cols))
         tm = -(-m // -(-m // tm_max))
-        tn_max = _MIN_TILE_COLS
+        tn_max = min_cols
     if splits == 1 and per_split <= tn_max:
         return 1, tm, n, 1  # one tile, no padding
     nt = -(-per_split // tn_max)
@@ -209,6 +218,11 @@ def _plan(m: int, n: int, k: int, kernel: bool):
     tn = -(-tn // 128) * 128  # 16-byte aligned rows for the kernel's vector loads
     nt = -(-per_split // tn)
     return splits, tm, tn, nt
+
+
+def _kernel_takes(k: int) -> bool:
+    """Whether the selection kernel keeps lists of k (else the XLA-sort path merges the tiles)."""
+    return k <= (_MAX_KERNEL_K if jax.default_backend() == "gpu" else _CPU_MAX_KERNEL_K)
 
 
 def _splits(m: int, n: int, k: int) -> int:
@@ -245,7 +259,7 @@ def _search_tiles(q, r, qn, rn, k, plan, precision):
     m, d = q.shape
     n = r.shape[0]
     f64 = q.dtype == jnp.float64
-    kernel = k <= _MAX_KERNEL_K
+    kernel = _kernel_takes(k)
     splits, tm, tn, nt = plan
 
     # References as (nt, splits, tn, d): step j of the scan handles tiles j*splits + s, whose
@@ -530,7 +544,7 @@ def _classify_jvp(num_classes, k, precision, primals, tangents):
 def _search_all(q, r, k, precision):
     """The search of every reference held here (all of them on one device)."""
     m, n = q.shape[0], r.shape[0]
-    plan = _plan(m, n, k, k <= _MAX_KERNEL_K)
+    plan = _plan(m, n, k, _kernel_takes(k))
     if not _use_filter(q, r, k, precision):
         return _search(q, r, k, plan, lax.Precision.HIGHEST if precision is None else precision)
     kp = _filter_list(k, n)

@@ -180,6 +180,8 @@ def test_cpu_plan(key):
     assert splits(1, 8191, 1) == 1  # too short to split
     assert plan(1024, 65536, 16) == (1, 1024, 4096, 16)
     assert plan(10000, 8192, 5) == (1, 3334, 1024, 8)
+    assert plan(4096, 65536, 1024) == (1, 64, 65536, 1)  # tiles of >= 64 k columns
+    assert knn_module._kernel_takes(1 << 20)  # the twin takes any k (no XLA-sort path)
     # The default CPU tiles, unpatched: two reference tiles, the second one padded.
     m, n, k = 600, 9000, 20
     assert plan(m, n, k) == (1, m, 4608, 2)
@@ -194,6 +196,7 @@ def test_tiled_paths(key, monkeypatch):
     monkeypatch.setattr(knn_module, "_MIN_TILE_COLS", 128)
     monkeypatch.setattr(knn_module, "_MIN_SPLIT_COLS", 256)
     monkeypatch.setattr(knn_module, "_CPU_SPLIT_ROWS", 64)
+    monkeypatch.setattr(knn_module, "_CPU_TILE_COLS_PER_K", 0)  # the CPU's tiles >= 64 k wide
     kq, kr = jax.random.split(key)
     for m, n, k in [(300, 1001, 5), (3, 5000, 40), (50, 777, 300)]:
         q, r = small_ints(kq, (m, 5)), small_ints(kr, (n, 5))
@@ -218,6 +221,7 @@ def test_tiny_tiles(key, monkeypatch):
     7 tiles."""
     monkeypatch.setattr(knn_module, "_TILE_ELEMS", 1 << 16)
     monkeypatch.setattr(knn_module, "_MIN_TILE_COLS", 128)
+    monkeypatch.setattr(knn_module, "_CPU_TILE_COLS_PER_K", 0)  # the CPU's tiles >= 64 k wide
     m, n = 300, 1601  # 2^16: 256-column tiles (7 tiles, the last one of 65 columns)
     q, r = _tiles_with_nan_and_ties(key, m, n)
     splits, tm, tn, nt = knn_module._plan(m, n, 300, True)
@@ -227,11 +231,29 @@ def test_tiny_tiles(key, monkeypatch):
         check_knn(q, r, k, dists, idx, exact=True)
 
 
+@pytest.mark.parametrize("path", ["twin", "sort"])
+def test_large_k(key, monkeypatch, path):
+    """k past the CUDA kernel's 2048: the CPU twin takes any k; the XLA-sort path (the GPU's
+    there) forced on the CPU too. Tiles narrower than k, n not a multiple of them, NaN and ties."""
+    monkeypatch.setattr(knn_module, "_TILE_ELEMS", 1 << 16)
+    monkeypatch.setattr(knn_module, "_MIN_TILE_COLS", 128)
+    monkeypatch.setattr(knn_module, "_CPU_TILE_COLS_PER_K", 0)
+    if path == "sort":
+        monkeypatch.setattr(knn_module, "_CPU_MAX_KERNEL_K", 2048)
+    m, n, k = 24, 5001, 2100
+    assert knn_module._kernel_takes(k) == (path == "twin" and not ON_GPU)
+    assert knn_module._plan(m, n, k, True)[3] > 1
+    q, r = _tiles_with_nan_and_ties(key, m, n)
+    dists, idx = jaxops.knn(q, r, k)
+    check_knn(q, r, k, dists, idx, exact=True)
+
+
 def test_balanced_query_tiles(key, monkeypatch):
     """Query tiles are of equal size (fewest tiles of at most tile / min-cols rows), so m just
     above a multiple of the largest query tile is not padded by nearly a whole tile."""
     monkeypatch.setattr(knn_module, "_TILE_ELEMS", 1 << 14)
     monkeypatch.setattr(knn_module, "_MIN_TILE_COLS", 128)
+    monkeypatch.setattr(knn_module, "_CPU_TILE_COLS_PER_K", 0)
     assert knn_module._plan(129, 1000, 5, True)[1] == 65  # 2 tiles of 65 rows (max 128), not 128 + 1
     q, r = _tiles_with_nan_and_ties(key, 129, 1000)
     dists, idx = jaxops.knn(q, r, 9)

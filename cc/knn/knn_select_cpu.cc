@@ -29,8 +29,9 @@ void select_cpu(const SelectView& v, const SelectBuffers& b, int64_t row0, int64
       const int32_t i = b.prev_i[row * k + j];
       cand.push_back(i < 0 ? kEmptyKey : make_key(clamp_distance(d), static_cast<uint32_t>(i)));
     }
-    std::sort(cand.begin(), cand.end());  // the running list is sorted already; cheap insurance
-    uint64_t thr = cand[k - 1];
+    // The k-th smallest of k keys is their largest: no sort (it cost k log k a row a tile, the
+    // most of a tile's time at large k), and no assumption that the list arrives sorted.
+    uint64_t thr = *std::max_element(cand.begin(), cand.end());
     for (int64_t c = begin; c < limit; ++c) {
       const float d = v.distances ? tile[c] : (qn + rn[c]) - 2.0f * tile[c];
       const uint64_t key = make_key(clamp_distance(d), static_cast<uint32_t>(base + c));
