@@ -176,7 +176,7 @@ def test_cpu_plan(key):
     splits = lambda m, n, k: plan(m, n, k)[0]  # noqa: E731
     assert splits(64, 16384, 256) == 1 and splits(4, 1 << 20, 10) == 1
     assert splits(1, 1 << 20, 10) == 4 and splits(3, 1 << 20, 10) == 2
-    assert splits(1, 1 << 16, 512) == 4 and splits(1, 1 << 16, 1024) == 2  # the sort stays small
+    assert splits(1, 1 << 16, 256) == 4 and splits(1, 1 << 16, 512) == 2  # the sort stays small
     assert splits(1, 8191, 1) == 1  # too short to split
     assert plan(1024, 65536, 16) == (1, 1024, 4096, 16)
     assert plan(10000, 8192, 5) == (1, 3334, 1024, 8)
