@@ -7,9 +7,10 @@ query's running top-k list, carried across tiles by ``lax.scan``. The distance m
 materialised beyond one tile of 2^28 float32 distances (1 GB; on the CPU 2^22, 16 MB, which
 stays in cache): on a GPU XLA's temporaries are ~1.2 GB for float32/16-bit inputs with k <= 2048,
 ~3.3 GB for float64 inputs or k > 2048 (XLA-sort path), ~4.3 GB for both, plus a padded copy
-of the references when n is not a multiple of the tile width. So m = 10000 queries against n = 2^20 references fit easily on one GPU. When there
-are few queries the reference tiles are also split across independent lists (more parallelism:
-GPUs below 1024 queries, the CPU below 4), merged at the end with one small sort.
+of the references when n is not a multiple of the tile width. So m = 10000 queries against
+n = 2^20 references fit easily on one GPU. When there are few queries the reference tiles are
+also split across independent lists (more parallelism: GPUs below 1024 queries, the CPU below
+4), merged at the end with one small sort.
 
 On GPUs, large float32/16-bit searches run that scan on the tensor cores (one-pass TF32) as a
 *filter* only: it keeps a few more candidates than k by provable lower bounds of their
@@ -242,12 +243,13 @@ def _splits(m: int, n: int, k: int) -> int:
     return max(1, min(want, n // _MIN_SPLIT_COLS, n // (_CPU_SPLIT_COLS_PER_K * k)))
 
 
-@partial(jax.jit, static_argnums=(2, 3, 4))
-def _search(q, r, k, plan, precision):
+@partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _search(q, r, k, plan, precision, kernel):
     q, r = _compute_dtype(q, r)
     if q.shape[0] == 0:
         return jnp.zeros((0, k), jnp.float32), jnp.zeros((0, k), jnp.int32)
-    return _search_tiles(q, r, jnp.sum(q * q, axis=-1), jnp.sum(r * r, axis=-1), k, plan, precision)
+    return _search_tiles(q, r, jnp.sum(q * q, axis=-1), jnp.sum(r * r, axis=-1), k, plan, precision,
+                         kernel)
 
 
 def _compute_dtype(q, r):
@@ -255,13 +257,14 @@ def _compute_dtype(q, r):
     return q.astype(cdt), r.astype(cdt)
 
 
-def _search_tiles(q, r, qn, rn, k, plan, precision):
+def _search_tiles(q, r, qn, rn, k, plan, precision, kernel=True):
     """Top-k by the GEMM expansion (qn + rn - 2 q.r), given the squared norms (or, for the
-    filter, lowered stand-ins for them); q and r already in the compute dtype, m >= 1."""
+    filter, lowered stand-ins for them); q and r already in the compute dtype, m >= 1.
+    kernel: the selection kernel merges each tile (_kernel_takes(k)), else an XLA sort. A
+    static argument of the callers' jit, so a trace never outlives the choice."""
     m, d = q.shape
     n = r.shape[0]
     f64 = q.dtype == jnp.float64
-    kernel = _kernel_takes(k)
     splits, tm, tn, nt = plan
 
     # References as (nt, splits, tn, d): step j of the scan handles tiles j*splits + s, whose
@@ -546,9 +549,10 @@ def _classify_jvp(num_classes, k, precision, primals, tangents):
 def _search_all(q, r, k, precision):
     """The search of every reference held here (all of them on one device)."""
     m, n = q.shape[0], r.shape[0]
-    plan = _plan(m, n, k, _kernel_takes(k))
+    kernel = _kernel_takes(k)
+    plan = _plan(m, n, k, kernel)
     if not _use_filter(q, r, k, precision):
-        return _search(q, r, k, plan, lax.Precision.HIGHEST if precision is None else precision)
+        return _search(q, r, k, plan, lax.Precision.HIGHEST if precision is None else precision, kernel)
     kp = _filter_list(k, n)
     return _filtered_search(q, r, k=k, kp=kp, plan=_plan(m, n, kp, True), exact_plan=plan)
 

@@ -196,6 +196,7 @@ def test_tiled_paths(key, monkeypatch):
     monkeypatch.setattr(knn_module, "_MIN_TILE_COLS", 128)
     monkeypatch.setattr(knn_module, "_MIN_SPLIT_COLS", 256)
     monkeypatch.setattr(knn_module, "_CPU_SPLIT_ROWS", 64)
+    monkeypatch.setattr(knn_module, "_CPU_SPLIT_COLS_PER_K", 1)
     monkeypatch.setattr(knn_module, "_CPU_TILE_COLS_PER_K", 0)  # the CPU's tiles >= 64 k wide
     kq, kr = jax.random.split(key)
     for m, n, k in [(300, 1001, 5), (3, 5000, 40), (50, 777, 300)]:
@@ -244,6 +245,8 @@ def test_large_k(key, monkeypatch, path):
     assert knn_module._kernel_takes(k) == (path == "twin" and not ON_GPU)
     assert knn_module._plan(m, n, k, True)[3] > 1
     q, r = _tiles_with_nan_and_ties(key, m, n)
+    hlo = jax.jit(lambda q, r: jaxops.knn(q, r, k)).lower(q, r).as_text()  # a new trace
+    assert ("jaxops_knn_select" in hlo) == (path == "twin" and not ON_GPU)  # the path that ran
     dists, idx = jaxops.knn(q, r, k)
     check_knn(q, r, k, dists, idx, exact=True)
 
