@@ -135,6 +135,39 @@ def test_argmax_rows(cols, dtype):
             np.testing.assert_array_equal(np.asarray(got), ref(a, axis=-1))
 
 
+# Lengths that leave every width (4, 8, 16 lanes) each remainder, and rows shorter than a vector:
+# the row extremum's overlapping last vector and half-width short rows, the exp sum's padded last
+# vector, first_index_of's last vector (cpu_sums.h, session 75).
+_SHORT_LENGTHS = [1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 20, 24, 31, 33, 47, 64, 65, 100]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_short_rows_every_position(dtype):
+    # For each length n, rows whose special element sits at every position p: a NaN (max, min and
+    # logsumexp are NaN, argmax / argmin p), +inf (max +inf, argmax p), -inf (min -inf, argmin p)
+    # and a dominant finite value (max and argmax p, logsumexp near it), over random small values.
+    # An element the vector loops skip or read twice shows at its position.
+    for n in _SHORT_LENGTHS:
+        base = np.asarray(normal(jax.random.key(n), (4 * n, n), jnp.float32)).copy()
+        for p in range(n):
+            base[p, p] = np.nan
+            base[n + p, p] = np.inf
+            base[2 * n + p, p] = -np.inf
+            base[3 * n + p, p] = 40.0
+        x = jnp.asarray(base).astype(dtype)
+        a = np.asarray(x.astype(jnp.float32))
+        refs = {"max": np.max, "min": np.min, "argmax": np.argmax, "argmin": np.argmin,
+                "logsumexp": lambda v, axis: np.asarray(jax.nn.logsumexp(jnp.asarray(v), axis=axis))}
+        for name, ref in refs.items():
+            op = getattr(jaxops, name)
+            expected = ref(a, axis=-1)
+            for got in every_path(jax.jit(lambda v, op=op: op(v, axis=-1)), x):
+                if name.startswith("arg"):
+                    np.testing.assert_array_equal(np.asarray(got), expected, err_msg=f"{name} n={n}")
+                else:
+                    assert_close(got, jnp.asarray(expected).astype(dtype), dtype=dtype)
+
+
 @pytest.mark.parametrize("rows", [1, 64, 150])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_argmax_columns(rows, dtype):

@@ -104,18 +104,80 @@ inline double lane_dot(const T* a, const T* b, int64_t n) {
   return total;
 }
 
+// W storage values from p as floats, `fill` past the n < W that exist (a row's partial last vector).
+template <int W, class T>
+inline typename Vec<W>::F load_floats_partial(const T* p, int64_t n, float fill) {
+  float pad[W];
+  for (int j = 0; j < W; ++j) pad[j] = j < n ? to_float(p[j]) : fill;
+  return Vec<W>::load(pad);
+}
+
+// Whether any lane of a comparison's mask is set.
+template <class I>
+inline bool any_lane(I m) {
+  uint64_t words[sizeof(I) / 8], any = 0;
+  std::memcpy(words, &m, sizeof m);
+  for (uint64_t w : words) any |= w;
+  return any != 0;
+}
+
+// The lowest set lane of a comparison's mask (one that has a set lane), from the lanes' bits
+// gathered without a branch a lane.
+template <class I>
+inline int first_lane(I m) {
+  constexpr int kW = sizeof(I) / sizeof(int32_t);
+  uint32_t bits = 0;
+  for (int j = 0; j < kW; ++j) bits |= (static_cast<uint32_t>(m[j]) & 1u) << j;
+  return __builtin_ctz(bits);
+}
+
+// The max (kMax) or min of a vector's NaN-free lanes, folded by halves (lane j against lane j + W/2,
+// the lower lane kept on a tie) in maxps / minps: no scalar compare-and-branch a lane.
+template <bool kMax>
+inline float better_of(float lo, float hi) {
+  return kMax ? (hi > lo ? hi : lo) : (hi < lo ? hi : lo);
+}
+template <bool kMax>
+inline float fold_better(vf2 v) {
+  return better_of<kMax>(v[0], v[1]);
+}
+template <bool kMax, class F, class H>
+inline H better_halves(F v) {
+  H h[2];
+  std::memcpy(h, &v, sizeof v);
+  return kMax ? (h[1] > h[0] ? h[1] : h[0]) : (h[1] < h[0] ? h[1] : h[0]);
+}
+template <bool kMax>
+inline float fold_better(vf4 v) {
+  return fold_better<kMax>(better_halves<kMax, vf4, vf2>(v));
+}
+template <bool kMax>
+inline float fold_better(vf8 v) {
+  return fold_better<kMax>(better_halves<kMax, vf8, vf4>(v));
+}
+template <bool kMax>
+inline float fold_better(vf16 v) {
+  return fold_better<kMax>(better_halves<kMax, vf16, vf8>(v));
+}
+
 // max (kMax) or min of v[0, n) propagating NaN like jnp.max; the identity for n = 0. Rows of
-// any storage type, read in place as in block_sum.
+// any storage type, read in place as in block_sum. Float rows stay in vectors to the end: a
+// partial last vector is read as the row's last W elements (the overlap changes no extremum), a
+// row shorter than W takes half the width, and the lanes fold by halves. Until session 75 the rest
+// of a round and the 16 lanes' fold took a scalar compare-and-branch each, ~45 ns a row that
+// mispredicted on random data: 59 ns for a 16-element row against the sum's 10, and short-row
+// max / min / argmax / logsumexp at 0.1-0.5x XLA (2 cores, 262144x16 .. 16384x256).
 template <int W, bool kMax, class T, class A = acc_t<T>>
 inline A lane_extremum(const T* v, int64_t n) {
-  using V = Vec<W>;
   const A id = kMax ? -std::numeric_limits<A>::infinity() : std::numeric_limits<A>::infinity();
-  A lane[kLanes];
-  int64_t i = 0;
   if constexpr (std::is_same_v<A, float>) {
+    if constexpr (W > 4) {
+      if (n < W) return lane_extremum<W / 2, kMax>(v, n);
+    }
+    using V = Vec<W>;
     // Plain max / min lanes and, apart, whether a NaN was seen: one maxps / minps a vector,
-    // at least four independent chains (W = 8 / 16: 32 / 64 elements a round, folded into the
-    // 16 lanes; harness: max of float rows, AVX2 78 -> 69 us).
+    // at least four independent chains (W = 8 / 16: 32 / 64 elements a round; harness: max of
+    // float rows, AVX2 78 -> 69 us).
     constexpr int kAcc = kLanes / W > 4 ? kLanes / W : 4;
     const auto take = [](typename V::F x, typename V::F run) {
       return V::template keep_better<kMax>(x, run);
@@ -123,6 +185,7 @@ inline A lane_extremum(const T* v, int64_t n) {
     typename V::F acc[kAcc];
     for (auto& a : acc) a = V::splat(id);
     typename V::I nan = typename V::I{};
+    int64_t i = 0;
     for (; i + kAcc * W <= n; i += kAcc * W) {
       for (int k = 0; k < kAcc; ++k) {
         const typename V::F x = load_floats<W>(v + i + k * W);
@@ -130,18 +193,29 @@ inline A lane_extremum(const T* v, int64_t n) {
         nan |= V::is_nan(x);
       }
     }
-    for (int k = kLanes / W; k < kAcc; ++k) acc[0] = take(acc[k], acc[0]);
-    for (int k = 0; k < kLanes / W; ++k) V::store(lane + k * W, acc[k]);
-    for (int j = 0; j < W; ++j)
-      if (nan[j]) lane[0] = std::numeric_limits<A>::quiet_NaN();
+    for (; i + W <= n; i += W) {
+      const typename V::F x = load_floats<W>(v + i);
+      acc[0] = take(x, acc[0]);
+      nan |= V::is_nan(x);
+    }
+    if (i < n) {  // W = 4 pads a row of 1-3 (through memory: a store-forwarding stall)
+      const typename V::F x = n >= W ? load_floats<W>(v + n - W) : load_floats_partial<W>(v, n, id);
+      acc[0] = take(x, acc[0]);
+      nan |= V::is_nan(x);
+    }
+    for (int k = 1; k < kAcc; ++k) acc[0] = take(acc[k], acc[0]);
+    if (any_lane(nan)) return std::numeric_limits<A>::quiet_NaN();
+    return fold_better<kMax>(acc[0]);
   } else {
+    A lane[kLanes];
     for (int j = 0; j < kLanes; ++j) lane[j] = id;
+    const auto pick = [](A run, A x) { return beats<kMax>(x, run) ? x : run; };
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes)
+      for (int j = 0; j < kLanes; ++j) lane[j] = pick(lane[j], static_cast<A>(to_float(v[i + j])));
+    for (int j = 0; i + j < n; ++j) lane[j] = pick(lane[j], static_cast<A>(to_float(v[i + j])));
+    return tree_fold<kLanes>(lane, pick);
   }
-  const auto pick = [](A run, A x) { return beats<kMax>(x, run) ? x : run; };
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] = pick(lane[j], static_cast<A>(to_float(v[i + j])));
-  for (int j = 0; i + j < n; ++j) lane[j] = pick(lane[j], static_cast<A>(to_float(v[i + j])));
-  return tree_fold<kLanes>(lane, pick);
 }
 
 // out[i] = exp(in[i] - sub): Vec::exp for float (a partial last vector through a padded copy, so
@@ -164,35 +238,57 @@ inline void exp_shifted(const S* in, A sub, A* out, int64_t n) {
   }
 }
 
+// The sum of 16 lanes held in vectors of W (acc[k] holds lanes [k W, k W + W)) as tree_sum's tree:
+// lane j plus lane j + 8, then j + 4, ..., the same additions in the same order, so the same bits,
+// with no store and reload of the lanes.
+inline float sum_halves(vf2 v) { return v[0] + v[1]; }
+template <class F, class H>
+inline H add_halves(F v) {
+  H h[2];
+  std::memcpy(h, &v, sizeof v);
+  return h[0] + h[1];
+}
+inline float sum_halves(vf4 v) { return sum_halves(add_halves<vf4, vf2>(v)); }
+inline float sum_halves(vf8 v) { return sum_halves(add_halves<vf8, vf4>(v)); }
+inline float sum_halves(vf16 v) { return sum_halves(add_halves<vf16, vf8>(v)); }
+template <int W>
+inline float tree_sum_vectors(typename Vec<W>::F* acc) {
+  for (int w = kLanes / W / 2; w > 0; w /= 2)
+    for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
+  return sum_halves(acc[0]);
+}
+
 // Sum of exp(in[i] - sub) over m <= kSumBlock elements in block_sum's lanes and order, without
-// storing the exps (float: Vec::exp; double: libm). `in`: any storage type, read in place.
+// storing the exps (float: Vec::exp; double: libm). `in`: any storage type, read in place. A
+// partial last vector is padded with -inf, whose exp adds +0 to a lane: the bits of adding only
+// the elements that exist. Blocks shorter than W take half the width.
 template <int W, class S, class A>
 inline A block_exp_sum(const S* in, A sub, int64_t m) {
-  A lane[kLanes] = {};
-  int64_t i = 0;
   if constexpr (std::is_same_v<A, float>) {
+    if constexpr (W > 4) {  // the same lanes and bits at any W; no padded vector for m >= 4
+      if (m < W) return block_exp_sum<W / 2>(in, sub, m);
+    }
     using V = Vec<W>;
     typename V::F acc[kLanes / W];
     for (auto& a : acc) a = V::splat(0.0f);
+    int64_t i = 0;
     for (; i + kLanes <= m; i += kLanes)
       for (int k = 0; k < kLanes / W; ++k) acc[k] += V::exp(load_floats<W>(in + i + k * W) - sub);
-    for (int k = 0; k < kLanes / W; ++k) V::store(lane + k * W, acc[k]);
-    float tail[kLanes] = {};
-    const int rest = static_cast<int>(m - i);
-    for (int j = 0; j < rest; ++j) tail[j] = to_float(in[i + j]);
-    for (int k = 0; k * W < rest; ++k) {
-      const typename V::F e = V::exp(V::load(tail + k * W) - sub);
-      float ev[W];
-      V::store(ev, e);
-      for (int j = 0; j < W; ++j)
-        if (k * W + j < rest) lane[k * W + j] += ev[j];
+    for (int k = 0; k * W < m - i; ++k) {
+      const int64_t rest = m - i - k * W;
+      const typename V::F x = rest >= W ? load_floats<W>(in + i + k * W)
+                                        : load_floats_partial<W>(in + i + k * W, rest, -std::numeric_limits<float>::infinity());
+      acc[k] += V::exp(x - sub);
     }
+    return tree_sum_vectors<W>(acc);
   } else {
+    A lane[kLanes] = {};
+    int64_t i = 0;
     for (; i + kLanes <= m; i += kLanes)
       for (int j = 0; j < kLanes; ++j) lane[j] += std::exp(in[i + j] - sub);
     for (int j = 0; i + j < m; ++j) lane[j] += std::exp(in[i + j] - sub);
+    return tree_sum<kLanes>(lane);
   }
-  return tree_sum<kLanes>(lane);
 }
 
 // Sum of exp(v[i] - sub) over [0, n): block_exp_sum of each 1024 elements, the blocks added in
@@ -251,27 +347,34 @@ inline double dsum(const A* v, int64_t n, A shift = A(0), A mean = A(0)) {
   return tree_sum<kDoubleLanes>(lane);
 }
 
-// The first i in [0, n) with v[i] == m, or, for a NaN m, the first NaN; n if none. Compares a
-// vector at a time and scans only the vector that holds the hit (argmax / argmin of rows: their
-// extremum first, then where it first occurs, which is jnp.argmax's lowest index among ties).
-template <int W, class A>
-inline int64_t first_index_of(const A* v, int64_t n, A m) {
+// The first i in [0, n) with v[i] == m, or, for a NaN m, the first NaN; n if none; v of any
+// storage type, read in place (16-bit rows were widened into a scratch block first). Compares a
+// vector at a time (the partial last one padded) and reads the hit's lane from the mask's bits
+// (argmax / argmin of rows: their extremum first, then where it first occurs, which is
+// jnp.argmax's lowest index among ties). Scanning the hit's vector an element at a time cost a
+// mispredicted branch a row (session 75).
+template <int W, class T, class A = acc_t<T>>
+inline int64_t first_index_of(const T* v, int64_t n, A m) {
   const bool nan = m != m;
   int64_t i = 0;
   if constexpr (std::is_same_v<A, float>) {
+    if constexpr (W > 4) {
+      if (n < W) return first_index_of<W / 2>(v, n, m);
+    }
     using V = Vec<W>;
     const typename V::F mv = V::splat(m);
-    for (; i + W <= n; i += W) {
-      const typename V::F x = V::load(v + i);
-      const typename V::I hit = nan ? V::is_nan(x) : V::eq(x, mv);
-      uint64_t words[W / 2], any = 0;
-      std::memcpy(words, &hit, sizeof hit);
-      for (int k = 0; k < W / 2; ++k) any |= words[k];
-      if (any != 0) break;
+    const auto hits = [&](typename V::F x) { return nan ? V::is_nan(x) : V::eq(x, mv); };
+    for (; i + W <= n; i += W)
+      if (const typename V::I hit = hits(load_floats<W>(v + i)); any_lane(hit)) return i + first_lane(hit);
+    if (i < n && n >= W) {  // the row's last W: the lanes before i held no hit
+      if (const typename V::I hit = hits(load_floats<W>(v + n - W)); any_lane(hit)) return n - W + first_lane(hit);
+      return n;
     }
   }
-  for (; i < n; ++i)
-    if (nan ? v[i] != v[i] : v[i] == m) return i;
+  for (; i < n; ++i) {
+    const A x = static_cast<A>(to_float(v[i]));
+    if (nan ? x != x : x == m) return i;
+  }
   return n;
 }
 

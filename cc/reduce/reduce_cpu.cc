@@ -20,6 +20,7 @@ using cpu::from_float;
 using cpu::to_float;
 
 constexpr int64_t kLeaf = 64;  // rows added sequentially before pairing (columns)
+constexpr int64_t kWidenRow = 64;  // logsumexp widens 16-bit blocks of at least this many first
 
 // Folds a sequence of values pairwise, as a balanced tree over the order they come in (a binary
 // counter: two values of one level merge into the next), without recursion or a second buffer.
@@ -97,14 +98,19 @@ typename Op::State row_blocks(const T* x, int64_t n) {
   for (int64_t b = 0; b < n; b += cpu::kSumBlock) {
     const int64_t m = std::min(cpu::kSumBlock, n - b);
     if constexpr (std::is_same_v<Op, LogSumExpOp<A>>) {
-      // Two passes over the block: float / double rows in place, 16-bit ones widened once.
-      const A* buf = cpu::acc_row(x + b, scratch, m);
-      const A mx = cpu::lane_extremum<W, true>(buf, m);
-      if (!std::isfinite(mx)) {  // NaN, +inf or all -inf: the answer itself (see LogSumExpOp)
-        fold.push({mx, A(0)});
-        continue;
-      }
-      fold.push({mx, cpu::block_exp_sum<W>(buf, mx, m)});
+      // Two passes over the block: float / double rows in place, 16-bit ones widened once, but
+      // short ones (< kWidenRow) in place too in the AVX2 / AVX-512 clones: a whole-vector load
+      // right after the widening's stores stalls on store forwarding (session 75, AVX-512: a
+      // 16-element bf16 row 77 -> 37 ns). The baseline build widens 16-bit values in place a lane
+      // at a time and keeps the scratch (16 elements: 46 against 67 ns).
+      const bool widen = !std::is_same_v<T, A> && (W == 4 || m >= kWidenRow);
+      const auto block = [&](const auto* buf) {
+        const A mx = cpu::lane_extremum<W, true>(buf, m);
+        // NaN, +inf or all -inf: the answer itself (see LogSumExpOp)
+        fold.push({mx, std::isfinite(mx) ? cpu::block_exp_sum<W>(buf, mx, m) : A(0)});
+      };
+      if (widen) block(cpu::acc_row(x + b, scratch, m));
+      else block(x + b);
     } else if constexpr (kExtremumOp<Op>) {
       fold.push(cpu::lane_extremum<W, Op::kIsMax>(x + b, m));
     } else {
@@ -133,8 +139,16 @@ template <int W, bool kMax, class T>
 BlockExtremum<acc_t<T>> row_extremum(const T* x, int64_t n, int64_t base) {
   using A = acc_t<T>;
   BlockExtremum<A> run{kMax ? -std::numeric_limits<A>::infinity() : std::numeric_limits<A>::infinity(), base};
+  // The baseline build (W = 4, SSE2) widens 16-bit blocks first: in this function GCC widened
+  // them there a lane at a time inside the extremum's loop (session 75: bf16 argmax of 5000-long
+  // rows 1.5 -> 2.7 µs when they were read in place).
+  constexpr bool kWidenFirst = W == 4 && !std::is_same_v<T, A>;
+  A scratch[kWidenFirst ? cpu::kSumBlock : 1];
   for (int64_t b = 0; b < n; b += cpu::kSumBlock) {
-    const BlockExtremum<A> next{cpu::lane_extremum<W, kMax>(x + b, std::min(cpu::kSumBlock, n - b)), base + b};
+    const int64_t m = std::min(cpu::kSumBlock, n - b);
+    const A e = kWidenFirst ? cpu::lane_extremum<W, kMax>(cpu::acc_row(x + b, scratch, m), m)
+                            : cpu::lane_extremum<W, kMax>(x + b, m);
+    const BlockExtremum<A> next{e, base + b};
     if (replaces<kMax>(next, run)) run = next;
   }
   return run;
@@ -147,8 +161,11 @@ int32_t find_in_block(const T* x, int64_t n, const BlockExtremum<acc_t<T>>& e) {
   using A = acc_t<T>;
   const int64_t len = std::min(cpu::kSumBlock, n - e.block);
   if (len <= 0) return 0;
-  A scratch[std::is_same_v<T, A> ? 1 : cpu::kSumBlock];
-  const int64_t i = cpu::first_index_of<W>(cpu::acc_row(x + e.block, scratch, len), len, e.m);
+  // The baseline build widens 16-bit blocks first, as row_extremum does.
+  constexpr bool kWidenFirst = W == 4 && !std::is_same_v<T, A>;
+  A scratch[kWidenFirst ? cpu::kSumBlock : 1];
+  const int64_t i = kWidenFirst ? cpu::first_index_of<W>(cpu::acc_row(x + e.block, scratch, len), len, e.m)
+                                : cpu::first_index_of<W>(x + e.block, len, e.m);
   return static_cast<int32_t>(i < len ? e.block + i : 0);  // (no match: unreachable)
 }
 
@@ -156,7 +173,7 @@ int32_t find_in_block(const T* x, int64_t n, const BlockExtremum<acc_t<T>>& e) {
 // it first occurs (row_extremum), then the first index in that block holding it: jnp.argmax's
 // answer (the first NaN, else the lowest index among ties, -0 and +0 equal) in one vectorized pass
 // and one block, instead of a compare-and-branch an element (session 52's twin: 3 ns an element)
-// or a second pass (session 53's to session 59's). 16-bit rows are widened for that block only.
+// or a second pass (session 53's to session 59's). 16-bit rows are read in place.
 template <int W, bool kMax, class T>
 int32_t row_arg(const T* x, int64_t n) {
   return find_in_block<W>(x, n, row_extremum<W, kMax>(x, n, 0));
