@@ -20,7 +20,7 @@ using cpu::from_float;
 using cpu::to_float;
 
 constexpr int64_t kLeaf = 64;  // rows added sequentially before pairing (columns)
-constexpr int64_t kWidenRow = 64;  // logsumexp widens 16-bit blocks of at least this many first
+constexpr int64_t kWidenRow = 64;  // logsumexp reads shorter bf16 blocks in place (row_blocks)
 
 // Folds a sequence of values pairwise, as a balanced tree over the order they come in (a binary
 // counter: two values of one level merge into the next), without recursion or a second buffer.
@@ -99,11 +99,11 @@ typename Op::State row_blocks(const T* x, int64_t n) {
     const int64_t m = std::min(cpu::kSumBlock, n - b);
     if constexpr (std::is_same_v<Op, LogSumExpOp<A>>) {
       // Two passes over the block: float / double rows in place, 16-bit ones widened once, but
-      // short ones (< kWidenRow) in place too in the AVX2 / AVX-512 clones: a whole-vector load
-      // right after the widening's stores stalls on store forwarding (session 75, AVX-512: a
-      // 16-element bf16 row 77 -> 37 ns). The baseline build widens 16-bit values in place a lane
-      // at a time and keeps the scratch (16 elements: 46 against 67 ns).
-      const bool widen = !std::is_same_v<T, A> && (W == 4 || m >= kWidenRow);
+      // short bf16 ones (< kWidenRow) in place too in the AVX2 / AVX-512 clones: a whole-vector
+      // load right after the widening's stores stalls on store forwarding (session 75, AVX-512: a
+      // 16-element bf16 row 77 -> 37 ns). float16 converts a lane at a time in place, and so
+      // does the baseline build's bf16 (16 elements: 46 against 67 ns): they keep the scratch.
+      const bool widen = !std::is_same_v<T, A> && (W == 4 || !std::is_same_v<T, cpu::bf16> || m >= kWidenRow);
       const auto block = [&](const auto* buf) {
         const A mx = cpu::lane_extremum<W, true>(buf, m);
         // NaN, +inf or all -inf: the answer itself (see LogSumExpOp)
