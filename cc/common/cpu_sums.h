@@ -284,8 +284,9 @@ inline A block_exp_sum(const S* in, A sub, int64_t m) {
       for (int k = 0; k < kLanes / W; ++k) acc[k] += V::exp(load_floats<W>(in + i + k * W) - sub);
     for (int k = 0; k * W < m - i; ++k) {
       const int64_t rest = m - i - k * W;
+      constexpr float kNoTerm = -std::numeric_limits<float>::infinity();  // exp: +0
       const typename V::F x = rest >= W ? load_floats<W>(in + i + k * W)
-                                        : load_floats_partial<W>(in + i + k * W, rest, -std::numeric_limits<float>::infinity());
+                                        : load_floats_partial<W>(in + i + k * W, rest, kNoTerm);
       acc[k] += V::exp(x - sub);
     }
     return tree_sum_vectors<W>(acc);
@@ -356,8 +357,8 @@ inline double dsum(const A* v, int64_t n, A shift = A(0), A mean = A(0)) {
 }
 
 // The first i in [0, n) with v[i] == m, or, for a NaN m, the first NaN; n if none; v of any
-// storage type, read in place (16-bit rows were widened into a scratch block first). Compares a
-// vector at a time (the partial last one padded) and reads the hit's lane from the mask's bits
+// storage type, read in place. Compares a vector at a time (a partial last one read as the row's
+// last W, a row shorter than W at half the width) and reads the hit's lane from the mask's bits
 // (argmax / argmin of rows: their extremum first, then where it first occurs, which is
 // jnp.argmax's lowest index among ties). Scanning the hit's vector an element at a time cost a
 // mispredicted branch a row (session 75).

@@ -173,7 +173,8 @@ int32_t find_in_block(const T* x, int64_t n, const BlockExtremum<acc_t<T>>& e) {
 // it first occurs (row_extremum), then the first index in that block holding it: jnp.argmax's
 // answer (the first NaN, else the lowest index among ties, -0 and +0 equal) in one vectorized pass
 // and one block, instead of a compare-and-branch an element (session 52's twin: 3 ns an element)
-// or a second pass (session 53's to session 59's). 16-bit rows are read in place.
+// or a second pass (session 53's to session 59's). 16-bit rows are read in place (the baseline
+// build widens them a block at a time).
 template <int W, bool kMax, class T>
 int32_t row_arg(const T* x, int64_t n) {
   return find_in_block<W>(x, n, row_extremum<W, kMax>(x, n, 0));
