@@ -35,6 +35,18 @@ inline const A* acc_row(const T* src, A* scratch, int64_t n) {
   }
 }
 
+// Whether two passes over a block of n values of T (a max, then exps) read it in place rather
+// than widened into float scratch first: float / double always; bf16 blocks of fewer than
+// kShortBf16Block in the AVX2 / AVX-512 clones (W > 4), where the first pass's vector loads right
+// after the widening's stores stalled on store forwarding (session 75, AVX-512: bf16 16-element
+// logsumexp rows 77 -> 37 ns, softmax 65536x16 2.6 -> 1.2 ms). float16 converts a lane at a time
+// in place (softmax 16384x32: 0.43 -> 1.16 ms), and so does the baseline build's bf16: they widen.
+constexpr int64_t kShortBf16Block = 64;
+template <int W, class T>
+constexpr bool two_passes_in_place(int64_t n) {
+  return std::is_same_v<T, acc_t<T>> || (W > 4 && std::is_same_v<T, bf16> && n < kShortBf16Block);
+}
+
 // Where an output row is computed: dst itself for float / double rows, else scratch, which
 // narrow_row then stores.
 template <class T, class A>

@@ -32,24 +32,39 @@ inline A tree_sum(A* lane) {
   return tree_fold<N>(lane, [](A a, A b) { return a + b; });
 }
 
-// The sum of 16 lanes held in vectors of W (acc[k] holds lanes [k W, k W + W)) as tree_sum's tree:
-// lane j plus lane j + 8, then j + 4, ..., the same additions in the same order, so the same bits,
-// with no store and reload of the lanes.
-inline float sum_halves(vf2 v) { return v[0] + v[1]; }
-template <class F, class H>
-inline H add_halves(F v) {
+// One value from a vector's lanes, folded by halves: lane j with lane j + W/2, then j + W/4, ...,
+// op(lower half, upper half) at each step, in vectors down to the last pair. tree_fold's tree in
+// registers, with no store and reload of the lanes.
+template <class Op>
+inline float fold_halves(vf2 v, Op op) {
+  return op(v[0], v[1]);
+}
+template <class F, class H, class Op>
+inline H fold_half(F v, Op op) {
   H h[2];
   std::memcpy(h, &v, sizeof v);
-  return h[0] + h[1];
+  return op(h[0], h[1]);
 }
-inline float sum_halves(vf4 v) { return sum_halves(add_halves<vf4, vf2>(v)); }
-inline float sum_halves(vf8 v) { return sum_halves(add_halves<vf8, vf4>(v)); }
-inline float sum_halves(vf16 v) { return sum_halves(add_halves<vf16, vf8>(v)); }
+template <class Op>
+inline float fold_halves(vf4 v, Op op) {
+  return fold_halves(fold_half<vf4, vf2>(v, op), op);
+}
+template <class Op>
+inline float fold_halves(vf8 v, Op op) {
+  return fold_halves(fold_half<vf8, vf4>(v, op), op);
+}
+template <class Op>
+inline float fold_halves(vf16 v, Op op) {
+  return fold_halves(fold_half<vf16, vf8>(v, op), op);
+}
+
+// The sum of 16 lanes held in vectors of W (acc[k] holds lanes [k W, k W + W)) as tree_sum's tree:
+// lane j plus lane j + 8, then j + 4, ..., the same additions in the same order, so the same bits.
 template <int W>
 inline float tree_sum_vectors(typename Vec<W>::F* acc) {
   for (int w = kLanes / W / 2; w > 0; w /= 2)
     for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
-  return sum_halves(acc[0]);
+  return fold_halves(acc[0], [](auto lo, auto hi) { return lo + hi; });
 }
 
 // Whether x replaces run in a max (kMax) or min that propagates NaN like jnp.max: x beats run or
@@ -159,33 +174,11 @@ inline int first_lane(I m) {
   return __builtin_ctz(bits);
 }
 
-// The max (kMax) or min of a vector's NaN-free lanes, folded by halves (lane j against lane j + W/2,
-// the lower lane kept on a tie) in maxps / minps: no scalar compare-and-branch a lane.
-template <bool kMax>
-inline float better_of(float lo, float hi) {
-  return kMax ? (hi > lo ? hi : lo) : (hi < lo ? hi : lo);
-}
-template <bool kMax>
-inline float fold_better(vf2 v) {
-  return better_of<kMax>(v[0], v[1]);
-}
-template <bool kMax, class F, class H>
-inline H better_halves(F v) {
-  H h[2];
-  std::memcpy(h, &v, sizeof v);
-  return kMax ? (h[1] > h[0] ? h[1] : h[0]) : (h[1] < h[0] ? h[1] : h[0]);
-}
-template <bool kMax>
-inline float fold_better(vf4 v) {
-  return fold_better<kMax>(better_halves<kMax, vf4, vf2>(v));
-}
-template <bool kMax>
-inline float fold_better(vf8 v) {
-  return fold_better<kMax>(better_halves<kMax, vf8, vf4>(v));
-}
-template <bool kMax>
-inline float fold_better(vf16 v) {
-  return fold_better<kMax>(better_halves<kMax, vf16, vf8>(v));
+// The max (kMax) or min of a vector's NaN-free lanes, folded by halves (the lower lane kept on a
+// tie) in maxps / minps: no scalar compare-and-branch a lane.
+template <bool kMax, class F>
+inline float fold_better(F v) {
+  return fold_halves(v, [](auto lo, auto hi) { return kMax ? (hi > lo ? hi : lo) : (hi < lo ? hi : lo); });
 }
 
 // max (kMax) or min of v[0, n) propagating NaN like jnp.max; the identity for n = 0. Rows of
@@ -256,9 +249,8 @@ inline void exp_shifted(const S* in, A sub, A* out, int64_t n) {
     int64_t i = 0;
     for (; i + W <= n; i += W) V::store(out + i, V::exp(load_floats<W>(in + i) - sub));
     if (i < n) {
-      float pad[W] = {};
-      for (int64_t j = i; j < n; ++j) pad[j - i] = to_float(in[j]);
-      V::store(pad, V::exp(V::load(pad) - sub));
+      float pad[W];
+      V::store(pad, V::exp(load_floats_partial<W>(in + i, n - i, 0.0f) - sub));
       for (int64_t j = i; j < n; ++j) out[j] = pad[j - i];
     }
   } else {

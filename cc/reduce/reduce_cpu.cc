@@ -20,7 +20,6 @@ using cpu::from_float;
 using cpu::to_float;
 
 constexpr int64_t kLeaf = 64;  // rows added sequentially before pairing (columns)
-constexpr int64_t kWidenRow = 64;  // logsumexp reads shorter bf16 blocks in place (row_blocks)
 
 // Folds a sequence of values pairwise, as a balanced tree over the order they come in (a binary
 // counter: two values of one level merge into the next), without recursion or a second buffer.
@@ -98,19 +97,15 @@ typename Op::State row_blocks(const T* x, int64_t n) {
   for (int64_t b = 0; b < n; b += cpu::kSumBlock) {
     const int64_t m = std::min(cpu::kSumBlock, n - b);
     if constexpr (std::is_same_v<Op, LogSumExpOp<A>>) {
-      // Two passes over the block: float / double rows in place, 16-bit ones widened once, but
-      // short bf16 ones (< kWidenRow) in place too in the AVX2 / AVX-512 clones: a whole-vector
-      // load right after the widening's stores stalls on store forwarding (session 75, AVX-512: a
-      // 16-element bf16 row 77 -> 37 ns). float16 converts a lane at a time in place, and so
-      // does the baseline build's bf16 (16 elements: 46 against 67 ns): they keep the scratch.
-      const bool widen = !std::is_same_v<T, A> && (W == 4 || !std::is_same_v<T, cpu::bf16> || m >= kWidenRow);
+      // Two passes over the block (its max, then the exps): in place or widened once
+      // (cpu::two_passes_in_place).
       const auto block = [&](const auto* buf) {
         const A mx = cpu::lane_extremum<W, true>(buf, m);
         // NaN, +inf or all -inf: the answer itself (see LogSumExpOp)
         fold.push({mx, std::isfinite(mx) ? cpu::block_exp_sum<W>(buf, mx, m) : A(0)});
       };
-      if (widen) block(cpu::acc_row(x + b, scratch, m));
-      else block(x + b);
+      if (cpu::two_passes_in_place<W, T>(m)) block(x + b);
+      else block(cpu::acc_row(x + b, scratch, m));
     } else if constexpr (kExtremumOp<Op>) {
       fold.push(cpu::lane_extremum<W, Op::kIsMax>(x + b, m));
     } else {
@@ -134,15 +129,18 @@ bool replaces(const BlockExtremum<A>& next, const BlockExtremum<A>& run) {
   return run.m == run.m && cpu::beats<kMax>(next.m, run.m);
 }
 
+// The argmax / argmin steps (row_extremum, find_in_block) read 16-bit blocks in place, but for the
+// baseline build (W = 4, SSE2), which widens them first: there GCC widened them a lane at a time
+// inside the extremum's loop (session 75: bf16 argmax of 5000-long rows 1.5 -> 2.7 µs in place).
+template <int W, class T>
+constexpr bool kArgWidensFirst = W == 4 && !std::is_same_v<T, acc_t<T>>;
+
 // BlockExtremum of a contiguous row (starting at `base` in its row), one pass a block at a time.
 template <int W, bool kMax, class T>
 BlockExtremum<acc_t<T>> row_extremum(const T* x, int64_t n, int64_t base) {
   using A = acc_t<T>;
   BlockExtremum<A> run{kMax ? -std::numeric_limits<A>::infinity() : std::numeric_limits<A>::infinity(), base};
-  // The baseline build (W = 4, SSE2) widens 16-bit blocks first: in this function GCC widened
-  // them there a lane at a time inside the extremum's loop (session 75: bf16 argmax of 5000-long
-  // rows 1.5 -> 2.7 µs when they were read in place).
-  constexpr bool kWidenFirst = W == 4 && !std::is_same_v<T, A>;
+  constexpr bool kWidenFirst = kArgWidensFirst<W, T>;
   A scratch[kWidenFirst ? cpu::kSumBlock : 1];
   for (int64_t b = 0; b < n; b += cpu::kSumBlock) {
     const int64_t m = std::min(cpu::kSumBlock, n - b);
@@ -161,8 +159,7 @@ int32_t find_in_block(const T* x, int64_t n, const BlockExtremum<acc_t<T>>& e) {
   using A = acc_t<T>;
   const int64_t len = std::min(cpu::kSumBlock, n - e.block);
   if (len <= 0) return 0;
-  // The baseline build widens 16-bit blocks first, as row_extremum does.
-  constexpr bool kWidenFirst = W == 4 && !std::is_same_v<T, A>;
+  constexpr bool kWidenFirst = kArgWidensFirst<W, T>;
   A scratch[kWidenFirst ? cpu::kSumBlock : 1];
   const int64_t i = kWidenFirst ? cpu::first_index_of<W>(cpu::acc_row(x + e.block, scratch, len), len, e.m)
                                 : cpu::first_index_of<W>(x + e.block, len, e.m);

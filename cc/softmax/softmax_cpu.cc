@@ -26,7 +26,7 @@ namespace {
 // One row: xs the input row in the accumulation type (or its masked copy), yr the output;
 // scratch holds the exps of 16-bit rows (float / double rows keep them in yr). Returns the row's
 // maximum.
-// xs may also be a short 16-bit row read in place (S = T, see forward_rows).
+// xs may also be the stored row itself (S = T: cpu::two_passes_in_place).
 template <int W, class T, class A, class S>
 A forward_row(const S* xs, T* yr, A* scratch, int64_t cols, bool log) {
   const A m = cpu::lane_extremum<W, true>(xs, cols);
@@ -44,13 +44,6 @@ A forward_row(const S* xs, T* yr, A* scratch, int64_t cols, bool log) {
   return m;
 }
 
-// bf16 rows shorter than this are read in place by the AVX2 / AVX-512 clones: the max pass's
-// vector loads right after the widening's stores stalled on store forwarding (session 75, as in
-// reduce_cpu.cc's logsumexp; 2 cores, bf16 65536x16 softmax 2.6 -> 1.2 ms, log_softmax 2.9 -> 1.5).
-// float16 converts a lane at a time in place (16384x32: 0.43 -> 1.16 ms), so it keeps the scratch,
-// as does the baseline build, which widens bf16 in place a lane at a time too.
-constexpr int64_t kWidenRow = 64;
-
 template <int W, class T>
 void forward_rows(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols, bool log) {
   using A = cpu::acc_t<T>;
@@ -66,7 +59,7 @@ void forward_rows(const T* x, const bool* mask, T* y, int64_t rows, int64_t cols
       // whose maximum is -inf (all masked), +inf or NaN has them forced.
       if (!std::isfinite(forward_row<W>(v.data(), yr, e.data(), cols, log)))
         cpu::fill_unkept(mr, yr, cpu::from_float<T>(log ? neg_inf : A(0)), cols);
-    } else if (std::is_same_v<T, cpu::bf16> && W > 4 && cols < kWidenRow) {
+    } else if (cpu::two_passes_in_place<W, T>(cols)) {  // float rows, short bf16 ones
       forward_row<W>(x + r * cols, yr, e.data(), cols, log);
     } else {
       forward_row<W>(cpu::acc_row(x + r * cols, v.data(), cols), yr, e.data(), cols, log);
